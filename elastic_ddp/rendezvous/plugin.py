@@ -1,0 +1,319 @@
+"""torchrun plugin: ``--rdzv-backend=etcd-v3`` and ``--rdzv-backend=etcd`` on etcd's v3 API.
+
+Both names are entry points of group ``torchrun.handlers`` (see pyproject.toml). torch registers
+its own legacy v2 ``etcd`` handler before loading entry points and refuses a second creator for a
+name, so :func:`etcd_handler` first removes torch's entry (:func:`_torch_handler_registry` is the
+one place touching torch's private registry dict). ``ELASTIC_DDP_TORCH_ETCD=1`` keeps torch's own.
+
+This module imports neither grpc nor etcd3; the client is imported when a handler is created.
+
+Fast-recovery defaults -- what bounds "SIGKILL of one node -> survivors train again" in torch
+2.13's DynamicRendezvousHandler (read from dynamic_rendezvous.py and measured with the e2e test):
+
+1. Survivors' workers fail at once (gloo sees the peer's sockets close); the agent notices within
+   its monitor interval (0.1 s) and re-enters the rendezvous. The dead node is still listed as a
+   participant of the completed round, so the survivors wait in the wait list.
+2. A node is declared dead only when its last heartbeat is older than
+   ``keep_alive_interval * keep_alive_max_attempt`` (torch: 5 s * 3 = 15 s); the check runs on
+   each state sync, which a waiting node does once per second. With 1 s * 3 the dead node is
+   dropped 2-3 s after the kill. Heartbeats compare wall clocks of different hosts, so clocks
+   must agree to well under 3 s (NTP gives milliseconds); each node writes the state once a
+   second, which etcd handles easily for tens of nodes.
+3. Once the round is reopened and ``min_nodes`` are back, the rendezvous still waits
+   ``last_call_timeout`` (torch: 30 s) for more nodes unless ``max_nodes`` joined. 2 s is enough
+   for nodes already restarting together (they re-enter within ~0.5 s of each other); a node
+   joining later causes one more round (the agent sees it waiting), which is the normal scale-up.
+4. The workers restart (interpreter + torch import + process group init: ~3-4 s here).
+
+torch's defaults give ~15 + 1 + 30 + 4 = ~50 s (46 s was measured with c10d); these give
+~3 + 1 + 2 + 4 = ~10 s. ``join_timeout`` stays torch's 600 s: it bounds waiting for ``min_nodes``
+to appear at all, not recovery. The user's rdzv_conf values always win over these defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+if TYPE_CHECKING:  # pragma: no cover
+    from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
+    from elastic_ddp.rendezvous.client import EtcdClient
+    from elastic_ddp.rendezvous.store import EtcdV3Store
+
+__all__ = [
+    "DEFAULT_CLOSE_TIMEOUT",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+    "DEFAULT_KEEP_ALIVE_INTERVAL",
+    "DEFAULT_KEEP_ALIVE_MAX_ATTEMPT",
+    "DEFAULT_LAST_CALL_TIMEOUT",
+    "DEFAULT_READ_TIMEOUT",
+    "PASSWORD_ENV",
+    "TORCH_ETCD_ENV",
+    "create_backend",
+    "create_rdzv_handler",
+    "etcd_handler",
+    "etcd_v3_handler",
+]
+
+PASSWORD_ENV = "ELASTIC_DDP_ETCD_PASSWORD"
+"""The etcd password (with rdzv_conf ``user``); never taken from rdzv_conf, which is visible in
+``ps`` output and logs."""
+TORCH_ETCD_ENV = "ELASTIC_DDP_TORCH_ETCD"
+"""``1``: ``--rdzv-backend=etcd`` stays torch's legacy v2 handler."""
+
+DEFAULT_ENDPOINT_PORT = 2379
+DEFAULT_READ_TIMEOUT = 10  # seconds per etcd request; torch's etcd-v2 uses 60
+DEFAULT_KEY_PREFIX = "/elastic_ddp/rendezvous"
+
+# Recovery defaults (see the module docstring for the reasoning).
+DEFAULT_KEEP_ALIVE_INTERVAL = 1  # torch: 5 s
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3  # torch: 3 -> a silent node is dead after 3 s
+DEFAULT_LAST_CALL_TIMEOUT = 2  # torch: 30 s
+DEFAULT_HEARTBEAT_TIMEOUT = 5  # torch: 5 s; time one heartbeat write may take
+DEFAULT_CLOSE_TIMEOUT = 10  # torch: 30 s; time to mark the rendezvous closed at shutdown
+
+_HANDLER_DEFAULTS: dict[str, int] = {
+    "keep_alive_interval": DEFAULT_KEEP_ALIVE_INTERVAL,
+    "keep_alive_max_attempt": DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
+    "last_call_timeout": DEFAULT_LAST_CALL_TIMEOUT,
+    "heartbeat": DEFAULT_HEARTBEAT_TIMEOUT,
+    "close_timeout": DEFAULT_CLOSE_TIMEOUT,
+}
+
+# rdzv_conf keys read by this module; first spelling is ours, the others torch's etcd / etcd-v2.
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "protocol": ("protocol",),
+    "ca_cert": ("ca_cert", "cacert"),
+    "ssl_cert": ("ssl_cert", "cert"),
+    "ssl_cert_key": ("ssl_cert_key", "key"),
+    "key_prefix": ("key_prefix", "etcd_prefix"),
+    "read_timeout": ("read_timeout",),
+    "user": ("user",),
+}
+# Keys torch's handler reads, or torchrun itself adds ("timeout": its legacy join timeout, always
+# set; "rank": --node-rank), accepted and passed through.
+_TORCH_KEYS = frozenset(
+    {"join_timeout", "timeout", "rank", "is_host", "local_addr", *_HANDLER_DEFAULTS}
+)
+
+
+def _conf(params: RendezvousParameters, name: str) -> tuple[str, Any] | None:
+    """(spelling used, value) of an option given under any of its spellings; None if absent."""
+    given = [(alias, params.config[alias]) for alias in _ALIASES[name] if params.config.get(alias) is not None]
+    if len(given) > 1 and len({str(v) for _, v in given}) > 1:
+        spellings = " and ".join(f"'{a}' ({v!r})" for a, v in given)
+        raise ValueError(f"The rendezvous options {spellings} are the same setting with different values.")
+    return given[0] if given else None
+
+
+def _check_keys(params: RendezvousParameters) -> None:
+    if "password" in params.config:
+        raise ValueError(
+            "The rendezvous option 'password' is not accepted: rdzv_conf is visible to every user "
+            f"in the process list and in logs. Set the environment variable {PASSWORD_ENV} instead."
+        )
+    known = {alias for aliases in _ALIASES.values() for alias in aliases} | _TORCH_KEYS
+    unknown = sorted(set(params.config) - known)
+    if unknown:
+        raise ValueError(
+            f"The rendezvous option(s) {', '.join(repr(k) for k in unknown)} are not known to the etcd-v3 "
+            f"backend. Known options: {', '.join(sorted(known))}."
+        )
+
+
+def _read_timeout(params: RendezvousParameters) -> float:
+    given = _conf(params, "read_timeout")
+    if given is None:
+        return float(DEFAULT_READ_TIMEOUT)
+    key, raw = given
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(
+            f"The rendezvous option '{key}' ({raw!r}) must be a positive number of seconds."
+        )
+    return value
+
+
+def _tls(params: RendezvousParameters) -> tuple[bool, str | None, str | None, str | None]:
+    protocol = _conf(params, "protocol")
+    scheme = "http" if protocol is None else str(protocol[1]).strip().lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"The rendezvous option 'protocol' ({protocol[1]!r}) must be 'http' or 'https'.")
+    files = {}
+    for name in ("ca_cert", "ssl_cert", "ssl_cert_key"):
+        given = _conf(params, name)
+        if given is None:
+            files[name] = None
+            continue
+        key, path = given
+        if scheme != "https":
+            raise ValueError(f"The rendezvous option '{key}' ({path!r}) needs protocol=https.")
+        if not os.path.isfile(str(path)):
+            raise ValueError(f"The rendezvous option '{key}' ({path!r}) is not a readable file.")
+        files[name] = str(path)
+    if (files["ssl_cert"] is None) != (files["ssl_cert_key"] is None):
+        raise ValueError(
+            "The rendezvous options 'ssl_cert' ('cert') and 'ssl_cert_key' ('key') must be given together."
+        )
+    return scheme == "https", files["ca_cert"], files["ssl_cert"], files["ssl_cert_key"]
+
+
+def _key_prefix(params: RendezvousParameters) -> str:
+    given = _conf(params, "key_prefix")
+    if given is None:
+        return DEFAULT_KEY_PREFIX
+    key, raw = given
+    prefix = str(raw).rstrip("/")
+    if not prefix.startswith("/"):
+        raise ValueError(f"The rendezvous option '{key}' ({raw!r}) must be an absolute etcd key path such as '/my/prefix'.")
+    return prefix
+
+
+def create_client(params: RendezvousParameters) -> EtcdClient:
+    """The etcd client described by ``params`` (see :func:`create_backend` for the options)."""
+    from elastic_ddp.rendezvous.client import EtcdClient, EtcdError, parse_endpoints
+
+    _check_keys(params)
+    _key_prefix(params)  # validate every option before any connection is made
+    endpoint = params.endpoint.strip() or f"localhost:{DEFAULT_ENDPOINT_PORT}"
+    try:
+        parse_endpoints(endpoint, DEFAULT_ENDPOINT_PORT)
+    except ValueError as exc:
+        raise ValueError(f"The rendezvous endpoint ({params.endpoint!r}) is invalid: {exc}") from None
+    tls, ca_cert, cert, key = _tls(params)
+    user_given = _conf(params, "user")
+    user = None if user_given is None else str(user_given[1])
+    password = os.environ.get(PASSWORD_ENV)
+    if user is not None and not password:
+        raise ValueError(f"The rendezvous option 'user' ({user!r}) needs the password in the environment variable {PASSWORD_ENV}.")
+    if user is None and password:
+        raise ValueError(f"{PASSWORD_ENV} is set but the rendezvous option 'user' is not; set both or neither.")
+    try:
+        return EtcdClient(
+            endpoint,
+            timeout=_read_timeout(params),
+            tls=tls,
+            ca_cert=ca_cert,
+            cert=cert,
+            key=key,
+            user=user,
+            password=password,
+        )
+    except EtcdError as exc:  # only authentication contacts etcd here
+        from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+        raise RendezvousConnectionError(f"The connection to etcd at {endpoint} has failed: {exc}") from exc
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
+    """Create the etcd v3 rendezvous backend and c10d store described by ``params``.
+
+    ``params.endpoint`` is a comma-separated list of ``host[:port]`` (port 2379 by default,
+    ``localhost:2379`` if empty); requests fail over between them.
+
+    +---------------------------+--------------------------------------------------------------+
+    | rdzv_conf key (aliases)   | Meaning and default                                          |
+    +===========================+==============================================================+
+    | protocol                  | ``http`` or ``https``. Default ``http``.                     |
+    | ca_cert (cacert)          | CA bundle verifying the server (https). Default: system CAs. |
+    | ssl_cert (cert)           | Client certificate for mutual TLS (https). Default none.     |
+    | ssl_cert_key (key)        | Private key of ``ssl_cert``. Default none.                   |
+    | key_prefix (etcd_prefix)  | etcd key prefix. Default ``/elastic_ddp/rendezvous``.        |
+    | read_timeout              | Seconds per etcd request. Default 10.                        |
+    | user                      | etcd user; the password comes only from the environment     |
+    |                           | variable ``ELASTIC_DDP_ETCD_PASSWORD``. Default none.       |
+    | password                  | Refused (rdzv_conf is visible in ``ps`` and logs).          |
+    +---------------------------+--------------------------------------------------------------+
+
+    Passed through to torch's handler, with this project's defaults when not given:
+    ``keep_alive_interval`` 1, ``keep_alive_max_attempt`` 3, ``last_call_timeout`` 2,
+    ``heartbeat`` 5, ``close_timeout`` 10, ``join_timeout`` 600 (torch's). torchrun's own
+    ``timeout`` and ``rank`` are accepted and ignored. Any other key raises ``ValueError``.
+
+    Layout: the state is ``<key_prefix>/<run_id>/state``; the store's keys are under
+    ``<key_prefix>/<run_id>/store/``.
+    """
+    from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
+    from elastic_ddp.rendezvous.store import EtcdV3Store
+
+    client = create_client(params)
+    prefix = _key_prefix(params)
+    # torch checks that the handler's backend name equals the requested --rdzv-backend.
+    name = params.backend if params.backend in ("etcd", "etcd-v3") else "etcd-v3"
+    backend = EtcdV3RendezvousBackend(client, params.run_id, key_prefix=prefix, name=name)
+    store = EtcdV3Store(client, f"{prefix}/{params.run_id}/store/")
+    return backend, store
+
+
+def _with_recovery_defaults(params: RendezvousParameters) -> RendezvousParameters:
+    """A copy of ``params`` with this project's handler defaults for keys the user did not set."""
+    config = {**_HANDLER_DEFAULTS, **{k: v for k, v in params.config.items() if v is not None}}
+    return RendezvousParameters(
+        backend=params.backend,
+        endpoint=params.endpoint,
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        **config,
+    )
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torchrun's handler creator: a DynamicRendezvousHandler on etcd v3 (see create_backend)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    params = _with_recovery_defaults(params)
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)
+
+
+def etcd_v3_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point ``etcd-v3``: returns the handler creator."""
+    return create_rdzv_handler
+
+
+def _torch_handler_registry() -> dict[str, Callable[[RendezvousParameters], RendezvousHandler]]:
+    """torch's registry dict (private: ``RendezvousHandlerRegistry._registry``); the only access.
+
+    Raises:
+        RuntimeError: torch changed the registry's shape; this plugin then needs updating.
+    """
+    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+
+    registry = getattr(rendezvous_handler_registry, "_registry", None)
+    if not isinstance(registry, dict):
+        raise RuntimeError(
+            "torch's rendezvous handler registry no longer has a '_registry' dict "
+            f"(found {type(registry).__name__}); elastic_ddp cannot replace torch's 'etcd' handler. "
+            f"Use --rdzv-backend=etcd-v3, or set {TORCH_ETCD_ENV}=1 to keep torch's."
+        )
+    return registry
+
+
+def etcd_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point ``etcd``: replaces torch's legacy v2 handler unless ``ELASTIC_DDP_TORCH_ETCD=1``.
+
+    torch registers each entry point's creator under its name and refuses a different creator for
+    a taken name. With the env var set this returns torch's own creator, so registering it again
+    is a no-op; otherwise torch's entry is removed first.
+    """
+    registry = _torch_handler_registry()
+    if os.environ.get(TORCH_ETCD_ENV, "").strip() == "1":
+        torch_creator = registry.get("etcd")
+        if torch_creator is None or torch_creator is create_rdzv_handler:
+            # torch registers its defaults before loading entry points, so this means torch
+            # changed that order; say so instead of silently serving the v3 handler.
+            raise RuntimeError(
+                f"{TORCH_ETCD_ENV}=1 asks for torch's own 'etcd' handler, but torch has not registered one."
+            )
+        return torch_creator
+    if registry.get("etcd") is not create_rdzv_handler:
+        registry.pop("etcd", None)
+    return create_rdzv_handler

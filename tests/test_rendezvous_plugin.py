@@ -1,0 +1,236 @@
+"""rdzv_conf parsing, torchrun registry override, lazy imports and end-to-end torchrun runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic_ddp.etcd_server import free_port
+from elastic_ddp.rendezvous import plugin
+from tests.helpers.nodes import start_node
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "workers" / "rdzv_worker.py"
+
+
+def params(endpoint: str = "127.0.0.1:2379", **conf) -> RendezvousParameters:
+    return RendezvousParameters(backend="etcd-v3", endpoint=endpoint, run_id="run", min_nodes=1, max_nodes=1, **conf)
+
+
+# -- rdzv_conf -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("conf", "attribute", "expected"),
+    [
+        ({"read_timeout": "3"}, "timeout", 3.0),
+        ({}, "timeout", float(plugin.DEFAULT_READ_TIMEOUT)),
+    ],
+)
+def test_read_timeout_is_parsed(conf, attribute, expected):
+    client = plugin.create_client(params(**conf))
+    try:
+        assert getattr(client, attribute) == expected
+    finally:
+        client.close()
+
+
+def test_endpoint_list_gets_the_default_port():
+    client = plugin.create_client(params("a,b:1234"))
+    try:
+        assert client.endpoints == ["a:2379", "b:1234"]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("alias", ["etcd_prefix", "key_prefix"])
+def test_key_prefix_aliases(alias, etcd_endpoint):
+    backend, store = plugin.create_backend(params(etcd_endpoint, **{alias: "/custom/"}))
+    assert backend.key == "/custom/run/state"
+    assert store.prefix == "/custom/run/store/"
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"protocol": "ftp"}, r"'protocol' \('ftp'\) must be 'http' or 'https'"),
+        ({"read_timeout": "soon"}, r"'read_timeout' \('soon'\) must be a positive number"),
+        ({"read_timeout": "0"}, r"'read_timeout' \('0'\)"),
+        ({"protocol": "https", "cacert": "/no/such/file"}, r"'cacert' \('/no/such/file'\) is not a readable file"),
+        ({"ca_cert": __file__}, r"'ca_cert' .* needs protocol=https"),
+        ({"etcd_prefix": "relative"}, r"'etcd_prefix' \('relative'\) must be an absolute"),
+        ({"key_prefix": "/a", "etcd_prefix": "/b"}, r"same setting with different values"),
+        ({"read_timout": "3"}, r"'read_timout'.*not known"),
+        ({"protocol": "https", "cert": __file__}, r"must be given together"),
+    ],
+)
+def test_bad_rdzv_conf_values_raise_value_error_naming_them(conf, message):
+    with pytest.raises(ValueError, match=message):
+        plugin.create_client(params(**conf))
+
+
+def test_bad_endpoint_port_is_named():
+    with pytest.raises(ValueError, match=r"'h:port'.*invalid port 'port'"):
+        plugin.create_client(params("h:port"))
+
+
+def test_password_in_rdzv_conf_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=f"not accepted.*{plugin.PASSWORD_ENV}"):
+        plugin.create_client(params(user="u", password="secret"))
+
+
+def test_user_without_password_env_is_refused(monkeypatch):
+    monkeypatch.delenv(plugin.PASSWORD_ENV, raising=False)
+    with pytest.raises(ValueError, match=plugin.PASSWORD_ENV):
+        plugin.create_client(params(user="u"))
+
+
+def test_password_is_read_from_the_environment(monkeypatch, tmp_path):
+    """With auth enabled in a dedicated etcd, the env password authenticates and a wrong one fails."""
+    from elastic_ddp.etcd_server import EtcdServer
+    from elastic_ddp.rendezvous.client import EtcdAuthError, EtcdClient
+
+    with EtcdServer(tmp_path / "etcd") as server:
+        root = EtcdClient(server.endpoint)
+        raw = root._raw  # test setup only: enable auth with the underlying client's RPCs
+        import etcd3.etcdrpc as rpc
+
+        raw.authstub.UserAdd(rpc.AuthUserAddRequest(name="root", password="rootpw"), 5)
+        raw.authstub.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"), 5)
+        raw.authstub.AuthEnable(rpc.AuthEnableRequest(), 5)
+        root.close()
+
+        monkeypatch.setenv(plugin.PASSWORD_ENV, "rootpw")
+        backend, store = plugin.create_backend(params(server.endpoint, user="root"))
+        assert backend.set_state(b"x")[2] is True
+        store.close()
+
+        monkeypatch.setenv(plugin.PASSWORD_ENV, "wrong")
+        with pytest.raises(Exception) as info:
+            plugin.create_backend(params(server.endpoint, user="root"))
+        assert isinstance(info.value.__cause__, EtcdAuthError)
+        assert "root" in str(info.value)
+
+
+def test_recovery_defaults_are_injected_but_user_values_win():
+    merged = plugin._with_recovery_defaults(params(last_call_timeout="7"))
+    assert merged.get_as_int("last_call_timeout") == 7
+    assert merged.get_as_int("keep_alive_interval") == plugin.DEFAULT_KEEP_ALIVE_INTERVAL
+    assert merged.get_as_int("keep_alive_max_attempt") == plugin.DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+    assert merged.get_as_int("heartbeat") == plugin.DEFAULT_HEARTBEAT_TIMEOUT
+
+
+def test_handler_is_created_with_the_recovery_defaults(etcd_endpoint):
+    handler = plugin.create_rdzv_handler(params(etcd_endpoint))
+    assert handler.get_backend() == "etcd-v3"
+    assert handler.settings.keep_alive_interval.total_seconds() == plugin.DEFAULT_KEEP_ALIVE_INTERVAL
+    assert handler.settings.timeout.last_call.total_seconds() == plugin.DEFAULT_LAST_CALL_TIMEOUT
+
+
+# -- registry and imports (fresh interpreters, so torch's registration runs as in torchrun) ------
+
+
+def _python(code: str, **env) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+_SHOW_REGISTRY = (
+    "import torch.distributed.elastic.rendezvous\n"
+    "from elastic_ddp.rendezvous.plugin import _torch_handler_registry\n"
+    "r = _torch_handler_registry()\n"
+    "print(r['etcd'].__module__ + '.' + r['etcd'].__name__, r['etcd-v3'].__name__)\n"
+)
+
+
+def test_torch_registry_still_has_the_private_dict_this_plugin_edits():
+    # If this fails, torch changed RendezvousHandlerRegistry: etcd_handler() must be revisited.
+    from torch.distributed.elastic.rendezvous.api import RendezvousHandlerRegistry, rendezvous_handler_registry
+
+    assert isinstance(rendezvous_handler_registry, RendezvousHandlerRegistry)
+    assert isinstance(plugin._torch_handler_registry(), dict)
+    assert {"etcd", "etcd-v2", "c10d", "static"} <= set(plugin._torch_handler_registry())
+
+
+def test_etcd_backend_name_is_served_by_this_plugin():
+    assert _python(_SHOW_REGISTRY, **{plugin.TORCH_ETCD_ENV: "0"}) == (
+        "elastic_ddp.rendezvous.plugin.create_rdzv_handler create_rdzv_handler"
+    )
+
+
+def test_torch_etcd_env_var_gives_torchs_own_handler_back():
+    out = _python(_SHOW_REGISTRY, **{plugin.TORCH_ETCD_ENV: "1"})
+    assert out.startswith("torch.distributed.elastic.rendezvous.registry._create_etcd_handler ")
+
+
+def test_importing_the_package_and_plugin_does_not_import_grpc_or_etcd3():
+    out = _python(
+        "import sys, elastic_ddp.rendezvous, elastic_ddp.rendezvous.plugin\n"
+        "import torch.distributed.elastic.rendezvous\n"
+        "print(sorted(m for m in ('grpc', 'etcd3') if m in sys.modules))\n"
+    )
+    assert out == "[]"
+
+
+# -- end to end with torchrun ----------------------------------------------------------------------
+
+
+def _torchrun(backend: str, endpoint: str, run_id: str, nnodes: str = "2") -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", "--nproc-per-node=1",
+        f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+        "--monitor-interval=0.1", str(WORKER),
+    ]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop(plugin.TORCH_ETCD_ENV, None)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v3"])
+def test_two_torchrun_agents_rendezvous_and_all_reduce(backend, etcd_endpoint, etcd_client, tmp_path):
+    run_id = f"e2e-{uuid.uuid4().hex[:8]}"
+    nodes = [start_node(_torchrun(backend, etcd_endpoint, run_id), _env(), tmp_path / f"node{i}.log") for i in range(2)]
+    try:
+        codes = [node.wait(timeout=180) for node in nodes]
+        outputs = [node.output() for node in nodes]
+        assert codes == [0, 0], "\n\n".join(outputs)
+        lines = sorted(l for out in outputs for l in out.splitlines() if "RDZV_WORKER" in l)
+        assert len(lines) == 2, "\n\n".join(outputs)
+        assert all("world_size=2 sum=2" in l for l in lines)
+        assert {"rank=0", "rank=1"} == {l.split()[1] for l in lines}
+        # The state went through the v3 API (the server has v2 off, so torch's v2 code could not
+        # have run).
+        assert etcd_client.get(f"{plugin.DEFAULT_KEY_PREFIX}/{run_id}/state") is not None
+    finally:
+        for node in nodes:
+            node.cleanup()
+
+
+@pytest.mark.slow
+def test_torchrun_exits_nonzero_naming_the_endpoint_when_etcd_is_unreachable(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmd = _torchrun("etcd", endpoint, "unreachable", nnodes="1")
+    cmd.insert(3, "--rdzv-conf=read_timeout=2,join_timeout=30")
+    start = time.monotonic()
+    with start_node(cmd, _env(), tmp_path / "node.log") as node:
+        code = node.wait(timeout=120)
+        elapsed = time.monotonic() - start
+        assert code != 0
+        assert elapsed < 30 + 10  # within the join timeout (plus interpreter start-up)
+        assert endpoint in node.output(), node.output()
