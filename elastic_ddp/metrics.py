@@ -1,0 +1,568 @@
+"""TensorBoard metrics and console progress that tell the story of an elastic run.
+
+Only global rank 0 writes. :func:`create_metrics` returns a :class:`TensorBoardMetrics` there and
+a :class:`Metrics` (the no-op twin, same interface) on every other rank, so the training loop calls
+the same methods everywhere and never tests the rank itself.
+
+One TensorBoard directory serves the whole job, across every torchrun restart:
+
+* Each attempt opens a new event file with ``purge_step = (resume_step or 0) + 1``. TensorBoard's
+  readers then drop the points an earlier attempt logged at or after that step (the work a failed
+  attempt did after its last checkpoint is redone, so its points are stale). Every tag therefore
+  reads back with unique, increasing steps: the curves of a run with restarts look like those of
+  a run without.
+* A tiny progress record (``progress.json`` in the run directory; any fsspec URL) remembers the
+  last logged step, its wall time, the world size and torchrun's restart count. A new attempt
+  reads it to log ``elastic/recovery_s`` and the events "World size changed from A to B" and
+  "Failure recovered after X s".
+
+Writing never stalls training: ``SummaryWriter`` queues serialized events for a background thread
+(the queue is sized so ``add_scalar`` never waits for it) and the progress record is written by a
+background thread of its own, which keeps only the newest record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import datetime
+import glob
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import fsspec
+
+from elastic_ddp.config import ConfigError, LoggingConfig
+
+log = logging.getLogger(__name__)
+
+# torchrun sets this in every worker: how many times the agent has restarted the worker group.
+ENV_TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+PROGRESS_FILE = "progress.json"
+
+# Text tags. add_text stores a tag T as "T/text_summary"; readers find them under that name.
+TAG_CONFIG = "config"
+TAG_EVENTS = "events"
+
+# SummaryWriter's default queue (10 events) is smaller than one logged step (~15 scalars), so
+# add_scalar would wait for the writer thread's file writes. A large queue keeps add_scalar a
+# put into memory: a few thousand serialized scalars are well under a megabyte.
+_MAX_QUEUE = 10_000
+
+# Event files are named events.out.tfevents.<unix seconds>.<host>.<pid>.<n> and TensorBoard reads
+# them in name order; a purge only hides points of files read before the purging one.
+_EVENT_FILE_TIME = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+# Waiting for the next second is cheap; waiting out a skewed clock of another machine is not.
+_MAX_NAME_ORDER_WAIT_S = 2.0
+
+
+def restart_count_from_env() -> int:
+    """torchrun's restart count of this worker group (0 outside torchrun)."""
+    return int(os.environ.get(ENV_TORCHELASTIC_RESTART_COUNT, "0") or 0)
+
+
+def _format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (``D days, H:MM:SS`` beyond a day); ``-`` for an unknown duration."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def console_line(
+    *,
+    rank: int,
+    step: int,
+    max_steps: int,
+    scalars: Mapping[str, float],
+    world_size: int,
+    rate_origin: tuple[int, float] | None,
+    now: float,
+) -> str:
+    """The compact progress line, as a pure function (``now`` is passed in).
+
+    ``rate_origin`` is ``(step, time)`` of the first step logged by this attempt: the ETA is the
+    remaining steps at this attempt's mean step rate since then (steps of earlier attempts ran at
+    other world sizes, so they are no guide). Without a usable origin, ``perf/step_time_s`` is
+    used, else the ETA is ``-``. Every field is ``key=value`` so the lines grep well under
+    torchrun's per-worker prefixes, e.g.::
+
+        [rank0] step=30/300 loss=2.3456 samples_per_s=1234.5 world_size=4 eta=0:05:12
+    """
+    remaining = max(max_steps - step, 0)
+    eta = float("nan")
+    if rate_origin is not None and step > rate_origin[0] and now > rate_origin[1]:
+        eta = (now - rate_origin[1]) / (step - rate_origin[0]) * remaining
+    elif "perf/step_time_s" in scalars:
+        eta = float(scalars["perf/step_time_s"]) * remaining
+    parts = [f"[rank{rank}] step={step}/{max_steps}"]
+    if "train/loss" in scalars:
+        parts.append(f"loss={float(scalars['train/loss']):.4f}")
+    if "perf/samples_per_s" in scalars:
+        parts.append(f"samples_per_s={float(scalars['perf/samples_per_s']):.1f}")
+    parts.append(f"world_size={world_size}")
+    parts.append(f"eta={_format_duration(eta)}")
+    return " ".join(parts)
+
+
+def summary_line(
+    *,
+    rank: int,
+    step: int | None,
+    max_steps: int,
+    final_loss: float | None,
+    wall_s: float,
+    attempt_wall_s: float,
+    restarts: int,
+) -> str:
+    """The one line printed at the end of an attempt, as a pure function.
+
+    ``wall_s`` spans the whole job (from the first attempt's start), ``attempt_wall_s`` this
+    process only; ``restarts`` counts the attempts before this one.
+    """
+    loss = "-" if final_loss is None else f"{final_loss:.4f}"
+    steps = "-" if step is None else str(step)
+    return (
+        f"[rank{rank}] done steps={steps}/{max_steps} final_loss={loss} "
+        f"wall={_format_duration(wall_s)} attempt_wall={_format_duration(attempt_wall_s)} "
+        f"restarts={restarts}"
+    )
+
+
+class Metrics:
+    """The metrics interface; this base class is the no-op twin every rank but 0 gets.
+
+    Every method is safe to call in any order, any number of times, and returns quickly.
+    """
+
+    def __init__(self, cfg: LoggingConfig, *, max_steps: int) -> None:
+        self.cfg = cfg
+        self.max_steps = max_steps
+
+    def should_log(self, step: int) -> bool:
+        """Whether the loop should gather scalars and call :meth:`log_step` at ``step``.
+
+        The same answer on every rank (a function of the step only): every
+        ``logging.every_steps`` steps and the last step. Logging the first step of an attempt is
+        the subclass's addition on rank 0; it keeps ``elastic/recovery_s`` exact.
+        """
+        return step % self.cfg.every_steps == 0 or step >= self.max_steps
+
+    def log_step(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Record ``scalars`` (tag -> value) at global optimizer step ``step``."""
+
+    def event(self, text: str) -> None:
+        """Record a notable happening (e.g. "Resumed from <checkpoint> (step N)") as text."""
+
+    def log_config(self, yaml_text: str) -> None:
+        """Record the run's whole configuration (YAML, secrets already redacted) as text."""
+
+    def summary(self) -> str:
+        """Print and return the one-line summary of this attempt (empty on the no-op twin)."""
+        return ""
+
+    def close(self) -> None:
+        """Flush and release everything. Idempotent."""
+
+    def __enter__(self) -> Metrics:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _ProgressRecord:
+    """The run's progress record: read once at start, rewritten by a background thread.
+
+    The record is ``{"step", "time", "world_size", "restart_count", "start_time", "attempts"}``
+    as JSON. Writes go to a temporary name and are then renamed over the record, so a reader
+    (the next attempt, perhaps on another machine) never sees half a file. Only the newest
+    pending record is kept: a slow store (S3) delays the record, never the training loop.
+    """
+
+    def __init__(self, run_dir: str, storage_options: Mapping[str, Any] | None) -> None:
+        self._fs, root = fsspec.core.url_to_fs(run_dir, **dict(storage_options or {}))
+        self._root = root.rstrip("/")
+        self.path = f"{self._root}/{PROGRESS_FILE}"
+        self._pending: dict[str, Any] | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="metrics-progress", daemon=True)
+        self._thread.start()
+
+    def read(self) -> dict[str, Any] | None:
+        """The stored record, or None when there is none or it cannot be read (logged)."""
+        try:
+            with self._fs.open(self.path, "rb") as handle:
+                record = json.loads(handle.read())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("Ignoring the unreadable progress record %s: %s", self.path, exc)
+            return None
+        if not isinstance(record, dict):
+            log.warning("Ignoring the progress record %s: not a JSON object.", self.path)
+            return None
+        return record
+
+    def put(self, record: dict[str, Any]) -> None:
+        """Queue ``record`` for writing; it replaces any record not yet written."""
+        with self._cond:
+            self._pending = dict(record)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Write the last pending record, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                record, self._pending = self._pending, None
+                closed = self._closed
+            if record is not None:
+                self._write(record)
+            if closed:
+                return
+
+    def _write(self, record: dict[str, Any]) -> None:
+        tmp = f"{self._root}/.{PROGRESS_FILE}.{uuid.uuid4().hex}.tmp"
+        try:
+            self._fs.makedirs(self._root, exist_ok=True)
+            self._fs.pipe_file(tmp, json.dumps(record).encode())
+            self._fs.mv(tmp, self.path)
+        except OSError as exc:
+            # The record only feeds recovery_s and the world-size event of the next attempt;
+            # losing one write must not stop training, and the next log retries.
+            log.warning("Could not write the progress record %s: %s", self.path, exc)
+
+
+def _wait_for_later_event_file_name(log_dir: str) -> None:
+    """Make sure the event file opened next sorts after every event file already in ``log_dir``.
+
+    TensorBoard reads event files in name order and the name starts with the creation time in
+    whole seconds, so a new file opened in the same second as an old one (restarts in tests,
+    fast local restarts) could sort first, and then its purge would hide nothing.
+    """
+    newest = -1
+    for name in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+        match = _EVENT_FILE_TIME.match(os.path.basename(name))
+        if match:
+            newest = max(newest, int(match.group(1)))
+    if newest < 0:
+        return
+    wait_s = newest + 1 - time.time()
+    if wait_s <= 0:
+        return
+    if wait_s > _MAX_NAME_ORDER_WAIT_S:
+        log.warning(
+            "An event file in %s is dated %.0f s in the future (clock skew between machines?); "
+            "TensorBoard may still show the points a failed attempt logged after its last checkpoint.",
+            log_dir,
+            wait_s,
+        )
+        return
+    time.sleep(wait_s)
+
+
+class TensorBoardMetrics(Metrics):
+    """Rank 0's metrics: TensorBoard events, the progress record and console lines.
+
+    Use :func:`create_metrics` rather than constructing this directly.
+    """
+
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        *,
+        run_dir: str,
+        resume_step: int | None,
+        world_size: int,
+        restart_count: int,
+        max_steps: int,
+        storage_options: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        # Imported here so ranks other than 0 never pay for importing TensorBoard.
+        from torch.utils.tensorboard import SummaryWriter
+
+        super().__init__(cfg, max_steps=max_steps)
+        self.rank = 0
+        self.world_size = world_size
+        self.restart_count = restart_count
+        self._clock = clock
+        self._start_time = clock()
+        self._start_step = (resume_step or 0) + 1
+        self._last_step: int | None = None
+        self._last_loss: float | None = None
+        self._rate_origin: tuple[int, float] | None = None
+        self._pending_events: list[str] = []
+        self._last_events_step = -1
+        self._write_failed = False
+        self._closed = False
+
+        self._progress = _ProgressRecord(run_dir, storage_options)
+        self._previous = self._progress.read()
+        previous = self._previous or {}
+        self._job_start_time = float(previous.get("start_time", self._start_time))
+        self._attempts = int(previous.get("attempts", 0)) + 1
+        # Counted as a restart: any earlier attempt of this run that logged (a torchrun restart,
+        # or a resubmitted job whose restart count started again at 0).
+        self._recovering = self._previous is not None and "time" in previous
+        if self._previous is not None and previous.get("world_size") not in (None, world_size):
+            self.event(f"World size changed from {previous['world_size']} to {world_size}")
+
+        os.makedirs(cfg.tensorboard_dir, exist_ok=True)
+        _wait_for_later_event_file_name(cfg.tensorboard_dir)
+        # SummaryWriter opens its event file and writes the purge marker (a session START at
+        # purge_step) in its constructor, before any point of this attempt.
+        # Always purge, also on a fresh start: an earlier attempt that never checkpointed left
+        # points from step 1 on. And TensorBoard's own server (--load_fast=false) ignores the
+        # first session START of a run, so a purge only works if every attempt wrote one.
+        self._writer = SummaryWriter(
+            log_dir=cfg.tensorboard_dir,
+            purge_step=self._start_step,
+            max_queue=_MAX_QUEUE,
+            flush_secs=cfg.flush_s,
+        )
+        atexit.register(self.close)
+
+    def should_log(self, step: int) -> bool:
+        # Rank 0 also logs the first step of an attempt, so recovery_s ends at that step. No
+        # collective depends on this answer: it only decides what rank 0 writes.
+        return super().should_log(step) or step == self._start_step
+
+    def log_step(self, step: int, scalars: Mapping[str, float]) -> None:
+        if self._closed:
+            return
+        now = self._clock()
+        values = {tag: float(value) for tag, value in scalars.items()}
+        values["elastic/world_size"] = float(self.world_size)
+        values["elastic/restart_count"] = float(self.restart_count)
+        if self._recovering:
+            self._recovering = False
+            recovery_s = max(now - float(self._previous["time"]), 0.0)
+            values["elastic/recovery_s"] = recovery_s
+            self.event(
+                f"Failure recovered after {recovery_s:.1f} s (last step logged before: "
+                f"{self._previous.get('step')}, first step logged now: {step})"
+            )
+        try:
+            for tag, value in values.items():
+                self._writer.add_scalar(tag, value, global_step=step, walltime=now)
+            self._write_pending_events(step, now)
+        except OSError as exc:
+            # The writer thread failed (disk full, directory gone) and re-raises here. Curves
+            # are not worth a lost training run: warn once, keep the console and the record.
+            if not self._write_failed:
+                self._write_failed = True
+                log.warning("TensorBoard events can no longer be written to %s: %s",
+                            self.cfg.tensorboard_dir, exc)
+
+        self._last_step = step
+        if "train/loss" in values:
+            self._last_loss = values["train/loss"]
+        if self._rate_origin is None:
+            self._rate_origin = (step, now)
+        self._progress.put(self._record(step, now))
+        if self.cfg.console and (super().should_log(step) or self._rate_origin[0] == step):
+            line = console_line(
+                rank=self.rank,
+                step=step,
+                max_steps=self.max_steps,
+                scalars=values,
+                world_size=self.world_size,
+                rate_origin=self._rate_origin,
+                now=now,
+            )
+            # print, not logging: this line is the product's output and must show whatever the
+            # application configured for logging (the root logger drops INFO by default);
+            # flush because torchrun pipes worker stdout, which is block-buffered otherwise.
+            print(line, flush=True)
+
+    def event(self, text: str) -> None:
+        # Shown at once on the console; written to TensorBoard with the next logged step, so
+        # the events tag holds one entry per step even when several events happen together.
+        if self._closed:
+            return
+        if self.cfg.console:
+            print(f"[rank{self.rank}] event: {text}", flush=True)
+        else:
+            log.info("[rank%d] event: %s", self.rank, text)
+        self._pending_events.append(text)
+
+    def log_config(self, yaml_text: str) -> None:
+        if self._closed:
+            return
+        # The text plugin renders Markdown; a fenced block keeps YAML's indentation.
+        self._writer.add_text(TAG_CONFIG, f"```yaml\n{yaml_text}\n```", global_step=self._start_step)
+
+    def summary(self) -> str:
+        if self._closed and self._last_step is None:
+            return ""
+        now = self._clock()
+        line = summary_line(
+            rank=self.rank,
+            step=self._last_step,
+            max_steps=self.max_steps,
+            final_loss=self._last_loss,
+            wall_s=now - self._job_start_time,
+            attempt_wall_s=now - self._start_time,
+            restarts=self._attempts - 1,
+        )
+        if self.cfg.console:
+            print(line, flush=True)
+        return line
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            if self._pending_events:
+                self._write_pending_events(self._last_step or self._start_step, self._clock())
+            self._writer.close()
+        except OSError as exc:
+            log.warning("Closing the TensorBoard writer of %s failed: %s", self.cfg.tensorboard_dir, exc)
+        if self._last_step is None:
+            # Nothing logged: keep the record of the last step logged (recovery of the next
+            # attempt is measured from there) but count this attempt.
+            previous = dict(self._previous or {})
+            previous.update(attempts=self._attempts, start_time=self._job_start_time)
+            if "time" in previous:
+                self._progress.put(previous)
+        self._progress.close()
+
+    def _record(self, step: int, now: float) -> dict[str, Any]:
+        return {
+            "step": step,
+            "time": now,
+            "world_size": self.world_size,
+            "restart_count": self.restart_count,
+            "start_time": self._job_start_time,
+            "attempts": self._attempts,
+        }
+
+    def _write_pending_events(self, step: int, now: float) -> None:
+        if not self._pending_events:
+            return
+        # One entry per step keeps the events tag's steps unique.
+        step = max(step, self._last_events_step + 1)
+        text = "\n".join(f"* {item}" for item in self._pending_events)
+        self._pending_events.clear()
+        self._writer.add_text(TAG_EVENTS, text, global_step=step, walltime=now)
+        self._last_events_step = step
+
+
+def create_metrics(
+    cfg: LoggingConfig,
+    *,
+    rank: int,
+    run_dir: str,
+    resume_step: int | None,
+    world_size: int,
+    restart_count: int,
+    max_steps: int,
+    storage_options: Mapping[str, Any] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Metrics:
+    """The metrics of this process: a :class:`TensorBoardMetrics` on global rank 0, else the no-op
+    :class:`Metrics`.
+
+    ``run_dir`` (a path or fsspec URL, with ``storage_options``) holds the progress record;
+    ``cfg.tensorboard_dir`` must be a local path (or ``file://`` URL) because ``SummaryWriter``
+    writes local files: a URL there raises :class:`ConfigError` on every rank. ``resume_step`` is
+    the step of the checkpoint this attempt resumed from (None: a fresh start): points logged
+    after it by earlier attempts are purged. ``restart_count`` is torchrun's
+    (:func:`restart_count_from_env`). ``clock`` returns wall-clock seconds (tests move it).
+    """
+    tensorboard_dir = cfg.tensorboard_dir
+    if tensorboard_dir.startswith("file://"):
+        tensorboard_dir = tensorboard_dir.removeprefix("file://")
+    elif "://" in tensorboard_dir:
+        raise ConfigError(
+            f"logging.tensorboard_dir ({cfg.tensorboard_dir!r}) must be a local directory: "
+            "TensorBoard event files are written with local file I/O. Point it at a local or "
+            "shared-filesystem path (and copy it to object storage separately if needed)."
+        )
+    if not tensorboard_dir:
+        raise ConfigError("logging.tensorboard_dir is empty; it must name a local directory.")
+    if resume_step is not None and resume_step < 0:
+        raise ValueError(f"The resume step ({resume_step}) must not be negative.")
+    if rank != 0:
+        return Metrics(cfg, max_steps=max_steps)
+    if tensorboard_dir != cfg.tensorboard_dir:
+        cfg = cfg.model_copy(update={"tensorboard_dir": tensorboard_dir})
+    return TensorBoardMetrics(
+        cfg,
+        run_dir=run_dir,
+        resume_step=resume_step,
+        world_size=world_size,
+        restart_count=restart_count,
+        max_steps=max_steps,
+        storage_options=storage_options,
+        clock=clock,
+    )
+
+
+def tensorboard_command(args: argparse.Namespace) -> list[str]:
+    """The command line that serves ``args.runs`` with TensorBoard (the installed package)."""
+    return [
+        sys.executable,
+        "-m",
+        "tensorboard.main",
+        "--logdir",
+        args.runs,
+        "--port",
+        str(args.port),
+        "--host",
+        args.host,
+    ]
+
+
+def _run_tensorboard(args: argparse.Namespace) -> int:
+    command = tensorboard_command(args)
+    print(f"Serving {args.runs} at http://{args.host}:{args.port}/ (Ctrl-C stops)", flush=True)
+    try:
+        return subprocess.call(command)
+    except KeyboardInterrupt:
+        # Ctrl-C reached TensorBoard too (same process group); it stops on its own.
+        return 130
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``elastic-ddp tensorboard [--runs DIR] [--port N] [--host H]``.
+
+    ``subparsers`` is what ``ArgumentParser.add_subparsers()`` returned; the command is run as
+    ``args.func(args)`` and returns TensorBoard's exit status.
+    """
+    parser = subparsers.add_parser(
+        "tensorboard",
+        help="Serve the runs' TensorBoard logs.",
+        description="Start TensorBoard on a directory of runs (each run's tensorboard/ becomes a run).",
+    )
+    parser.add_argument("--runs", default="runs", help="Directory holding the runs (default: runs).")
+    parser.add_argument("--port", type=int, default=6006, help="Port to serve on (default: 6006).")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="Address to bind (default: 127.0.0.1; use 0.0.0.0 to reach it from other machines).",
+    )
+    parser.set_defaults(func=_run_tensorboard)
+    return parser

@@ -1,0 +1,428 @@
+"""Tests of elastic_ddp.metrics: continuity across restarts, read back with TensorBoard itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import fsspec
+import pytest
+import yaml
+from tensorboard.backend.event_processing import plugin_event_accumulator
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
+
+from elastic_ddp.config import Config, ConfigError, LoggingConfig
+from elastic_ddp.metrics import (
+    PROGRESS_FILE,
+    Metrics,
+    TensorBoardMetrics,
+    add_parser,
+    console_line,
+    create_metrics,
+    summary_line,
+    tensorboard_command,
+)
+
+
+class FakeClock:
+    """Wall clock the test moves by hand."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_cfg(tmp_path, **overrides) -> LoggingConfig:
+    values = {"tensorboard_dir": str(tmp_path / "tb"), "every_steps": 10, "console": False}
+    values.update(overrides)
+    return LoggingConfig(**values)
+
+
+def start_attempt(tmp_path, *, resume_step=None, world_size=2, restart_count=0, clock=None, **cfg):
+    return create_metrics(
+        make_cfg(tmp_path, **cfg),
+        rank=0,
+        run_dir=str(tmp_path / "run"),
+        resume_step=resume_step,
+        world_size=world_size,
+        restart_count=restart_count,
+        max_steps=40,
+        clock=clock or FakeClock(),
+    )
+
+
+def log_range(metrics: Metrics, steps: range, attempt: int) -> None:
+    for step in steps:
+        metrics.log_step(step, {"train/loss": attempt * 100 + step, "train/lr": 1e-3})
+
+
+def read_back(tb_dir) -> EventAccumulator:
+    """The scalars, read with TensorBoard's classic EventAccumulator.
+
+    That reader purges scalars, images, ... but not tensors (where text lives), so texts are read
+    with :func:`read_plugin`, the reader TensorBoard's own server uses.
+    """
+    # size_guidance 0 keeps every point instead of a reservoir sample.
+    accumulator = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def read_plugin(tb_dir) -> plugin_event_accumulator.EventAccumulator:
+    """Everything, read as TensorBoard's Python server does (scalars and text become tensors)."""
+    accumulator = plugin_event_accumulator.EventAccumulator(
+        str(tb_dir), size_guidance={"tensors": 0}, tensor_size_guidance={"tensors": 0}
+    )
+    accumulator.Reload()
+    return accumulator
+
+
+def texts(tb_dir, tag: str) -> list[tuple[int, str]]:
+    return [
+        (event.step, event.tensor_proto.string_val[0].decode())
+        for event in read_plugin(tb_dir).Tensors(f"{tag}/text_summary")
+    ]
+
+
+def assert_every_tag_strictly_increasing(tb_dir) -> None:
+    classic = read_back(tb_dir)
+    for tag in classic.Tags()["scalars"]:
+        steps = [event.step for event in classic.Scalars(tag)]
+        assert steps == sorted(set(steps)), tag
+    plugin = read_plugin(tb_dir)
+    for tag in plugin.Tags()["tensors"]:
+        steps = [event.step for event in plugin.Tensors(tag)]
+        assert steps == sorted(set(steps)), tag
+
+
+def test_resume_from_middle_purges_points_the_failed_attempt_logged_after_the_checkpoint(tmp_path):
+    first = start_attempt(tmp_path)
+    first.log_config("attempt: 1\n")
+    log_range(first, range(1, 31), attempt=1)
+    first.close()
+
+    second = start_attempt(tmp_path, resume_step=20, restart_count=1)
+    second.log_config("attempt: 2\n")
+    second.event("Resumed from ckpt/step-20 (step 20)")
+    log_range(second, range(21, 41), attempt=2)
+    second.close()
+
+    accumulator = read_back(tmp_path / "tb")
+    loss = [(event.step, event.value) for event in accumulator.Scalars("train/loss")]
+    assert [step for step, _ in loss] == list(range(1, 41))
+    assert loss[:20] == [(step, 100.0 + step) for step in range(1, 21)]
+    assert loss[20:] == [(step, 200.0 + step) for step in range(21, 41)]
+    plugin_loss = [
+        (event.step, float(tensor_util.make_ndarray(event.tensor_proto)))
+        for event in read_plugin(tmp_path / "tb").Tensors("train/loss")
+    ]
+    assert plugin_loss == loss
+    assert [step for step, _ in texts(tmp_path / "tb", "config")] == [1, 21]
+    assert_every_tag_strictly_increasing(tmp_path / "tb")
+
+
+def test_fresh_restart_purges_everything_an_attempt_without_checkpoint_logged(tmp_path):
+    first = start_attempt(tmp_path)
+    first.log_config("attempt: 1\n")
+    log_range(first, range(1, 16), attempt=1)
+    first.close()
+
+    second = start_attempt(tmp_path, resume_step=None, restart_count=1)
+    second.log_config("attempt: 2\n")
+    log_range(second, range(1, 11), attempt=2)
+    second.close()
+
+    accumulator = read_back(tmp_path / "tb")
+    loss = [(event.step, event.value) for event in accumulator.Scalars("train/loss")]
+    assert loss == [(step, 200.0 + step) for step in range(1, 11)]
+    assert texts(tmp_path / "tb", "config") == [(1, "```yaml\nattempt: 2\n\n```")]
+    assert_every_tag_strictly_increasing(tmp_path / "tb")
+
+
+def test_noop_twin_on_other_ranks_writes_nothing(tmp_path):
+    metrics = create_metrics(
+        make_cfg(tmp_path, console=True),
+        rank=1,
+        run_dir=str(tmp_path / "run"),
+        resume_step=None,
+        world_size=2,
+        restart_count=0,
+        max_steps=40,
+    )
+    assert type(metrics) is Metrics
+    metrics.log_config("a: 1\n")
+    metrics.event("Resumed from somewhere (step 3)")
+    log_range(metrics, range(1, 11), attempt=1)
+    assert metrics.summary() == ""
+    metrics.close()
+    metrics.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_should_log_is_the_same_on_every_rank_except_rank0_adds_the_first_step(tmp_path):
+    noop = Metrics(make_cfg(tmp_path), max_steps=35)
+    assert [step for step in range(1, 36) if noop.should_log(step)] == [10, 20, 30, 35]
+    with start_attempt(tmp_path, resume_step=20) as metrics:
+        assert isinstance(metrics, TensorBoardMetrics)
+        assert [step for step in range(21, 41) if metrics.should_log(step)] == [21, 30, 40]
+
+
+def test_restart_logs_recovery_time_world_size_change_and_events(tmp_path):
+    clock = FakeClock(1000.0)
+    first = start_attempt(tmp_path, world_size=4, restart_count=0, clock=clock)
+    for step in (10, 20):
+        clock.now += 5.0
+        first.log_step(step, {"train/loss": 1.0})
+    first.close()  # the failure; the last step logged was 20, at t=1010
+    record = json.loads((tmp_path / "run" / PROGRESS_FILE).read_text())
+    assert record["step"] == 20 and record["time"] == 1010.0 and record["world_size"] == 4
+
+    clock.now = 1052.5
+    second = start_attempt(tmp_path, resume_step=20, world_size=2, restart_count=1, clock=clock)
+    second.event("Resumed from ckpt/step-20 (step 20)")
+    second.log_step(21, {"train/loss": 0.9})
+    clock.now += 5.0
+    second.log_step(30, {"train/loss": 0.8})
+    second.close()
+
+    accumulator = read_back(tmp_path / "tb")
+    recovery = [(event.step, event.value) for event in accumulator.Scalars("elastic/recovery_s")]
+    assert recovery == [(21, pytest.approx(42.5))]
+    world = [(event.step, event.value) for event in accumulator.Scalars("elastic/world_size")]
+    assert world == [(10, 4.0), (20, 4.0), (21, 2.0), (30, 2.0)]
+    restarts = [(event.step, event.value) for event in accumulator.Scalars("elastic/restart_count")]
+    assert restarts == [(10, 0.0), (20, 0.0), (21, 1.0), (30, 1.0)]
+    events = texts(tmp_path / "tb", "events")
+    assert [step for step, _ in events] == [21]
+    text = events[0][1]
+    assert "World size changed from 4 to 2" in text
+    assert "Resumed from ckpt/step-20 (step 20)" in text
+    assert "Failure recovered after 42.5 s" in text
+
+
+def test_progress_record_lives_on_any_fsspec_store(tmp_path):
+    run_dir = f"memory://metrics-test-{uuid.uuid4().hex}/run"
+    clock = FakeClock(500.0)
+
+    def attempt(world_size, resume_step):
+        return create_metrics(
+            make_cfg(tmp_path),
+            rank=0,
+            run_dir=run_dir,
+            resume_step=resume_step,
+            world_size=world_size,
+            restart_count=0,
+            max_steps=40,
+            clock=clock,
+        )
+
+    with attempt(3, None) as first:
+        first.log_step(10, {"train/loss": 1.0})
+    fs, path = fsspec.core.url_to_fs(f"{run_dir}/{PROGRESS_FILE}")
+    assert json.loads(fs.cat_file(path))["step"] == 10
+    clock.now += 7.0
+    with attempt(5, 10) as second:
+        second.log_step(11, {"train/loss": 1.0})
+    accumulator = read_back(tmp_path / "tb")
+    assert [event.value for event in accumulator.Scalars("elastic/recovery_s")] == [7.0]
+    assert "World size changed from 3 to 5" in texts(tmp_path / "tb", "events")[0][1]
+
+
+def test_config_yaml_is_readable_back_as_text(tmp_path):
+    config = Config()
+    with start_attempt(tmp_path) as metrics:
+        metrics.log_config(config.to_yaml())
+    [(step, text)] = texts(tmp_path / "tb", "config")
+    assert step == 1
+    body = text.removeprefix("```yaml\n").removesuffix("\n```")
+    assert yaml.safe_load(body) == yaml.safe_load(config.to_yaml())
+
+
+def test_close_is_idempotent_flushes_events_and_ignores_later_calls(tmp_path):
+    metrics = start_attempt(tmp_path)
+    metrics.log_step(10, {"train/loss": 2.0})
+    metrics.event("Checkpoint failed at step 10")  # pending: written by close()
+    metrics.close()
+    metrics.close()
+    metrics.log_step(20, {"train/loss": 1.0})
+    metrics.event("too late")
+    accumulator = read_back(tmp_path / "tb")
+    assert [event.step for event in accumulator.Scalars("train/loss")] == [10]
+    assert texts(tmp_path / "tb", "events") == [(10, "* Checkpoint failed at step 10")]
+
+
+def test_an_exception_leaving_the_process_still_flushes_the_events(tmp_path):
+    # flush_s is far beyond the process's life: only the atexit close can write the points.
+    script = f"""
+from elastic_ddp.config import LoggingConfig
+from elastic_ddp.metrics import create_metrics
+metrics = create_metrics(
+    LoggingConfig(tensorboard_dir={str(tmp_path / "tb")!r}, flush_s=3600, console=False),
+    rank=0, run_dir={str(tmp_path / "run")!r}, resume_step=None, world_size=1,
+    restart_count=0, max_steps=10,
+)
+for step in range(1, 6):
+    metrics.log_step(step, {{"train/loss": float(step)}})
+raise RuntimeError("the training loop failed")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "the training loop failed" in result.stderr
+    steps = [event.step for event in read_back(tmp_path / "tb").Scalars("train/loss")]
+    assert steps == [1, 2, 3, 4, 5]
+    assert json.loads((tmp_path / "run" / PROGRESS_FILE).read_text())["step"] == 5
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_url_as_tensorboard_dir_is_refused_on_every_rank(tmp_path, rank):
+    with pytest.raises(ConfigError, match="logging.tensorboard_dir"):
+        create_metrics(
+            LoggingConfig(tensorboard_dir="s3://bucket/tb"),
+            rank=rank,
+            run_dir=str(tmp_path),
+            resume_step=None,
+            world_size=1,
+            restart_count=0,
+            max_steps=10,
+        )
+
+
+def test_console_prints_greppable_lines_at_every_n_steps_and_the_first(tmp_path, capsys):
+    clock = FakeClock(0.0)
+    with start_attempt(tmp_path, resume_step=20, world_size=4, clock=clock, console=True) as metrics:
+        for step in range(21, 41):
+            clock.now += 2.0
+            metrics.log_step(step, {"train/loss": 1.5, "perf/samples_per_s": 64.0})
+        assert metrics.summary().startswith("[rank0] done steps=40/40 final_loss=1.5000")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[:3]] == ["step=21/40", "step=30/40", "step=40/40"]
+    assert "loss=1.5000 samples_per_s=64.0 world_size=4" in lines[1]
+    assert lines[1].endswith("eta=0:00:20")  # 9 steps in 18 s, 10 steps to go
+
+
+def test_console_line_is_a_pure_function_of_its_inputs():
+    line = console_line(
+        rank=0,
+        step=30,
+        max_steps=300,
+        scalars={"train/loss": 2.34567, "perf/samples_per_s": 1234.56},
+        world_size=4,
+        rate_origin=(21, 100.0),
+        now=118.0,
+    )
+    assert line == "[rank0] step=30/300 loss=2.3457 samples_per_s=1234.6 world_size=4 eta=0:09:00"
+    first = console_line(
+        rank=0, step=21, max_steps=300, scalars={"perf/step_time_s": 0.5},
+        world_size=2, rate_origin=(21, 100.0), now=100.0,
+    )
+    assert first == "[rank0] step=21/300 world_size=2 eta=0:02:20"
+    assert console_line(
+        rank=0, step=5, max_steps=10, scalars={}, world_size=1, rate_origin=None, now=0.0
+    ).endswith("eta=-")
+
+
+def test_summary_line_reports_steps_loss_wall_time_and_restarts():
+    line = summary_line(
+        rank=0, step=300, max_steps=300, final_loss=1.23456,
+        wall_s=3725.0, attempt_wall_s=65.0, restarts=2,
+    )
+    assert line == (
+        "[rank0] done steps=300/300 final_loss=1.2346 wall=1:02:05 attempt_wall=0:01:05 restarts=2"
+    )
+
+
+def test_tensorboard_subcommand_is_registered_with_defaults():
+    parser = argparse.ArgumentParser(prog="elastic-ddp")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["tensorboard"])
+    assert (args.runs, args.port, args.host) == ("runs", 6006, "127.0.0.1")
+    args = parser.parse_args(["tensorboard", "--runs", "/r", "--port", "7000", "--host", "0.0.0.0"])
+    assert tensorboard_command(args)[1:] == [
+        "-m", "tensorboard.main", "--logdir", "/r", "--port", "7000", "--host", "0.0.0.0",
+    ]
+    assert callable(args.func)
+
+
+# --- TensorBoard's own server ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def restarted_run(tmp_path_factory):
+    """A run dir with "log 1..30, restart with resume_step=20, log 21..40"."""
+    root = tmp_path_factory.mktemp("tbserve")
+    first = start_attempt(root)
+    first.log_config("attempt: 1\n")
+    log_range(first, range(1, 26), attempt=1)
+    first.event("Logged by the failed attempt after its last checkpoint")  # written at step 26
+    log_range(first, range(26, 31), attempt=1)
+    first.close()
+    second = start_attempt(root, resume_step=20, restart_count=1)
+    second.log_config("attempt: 2\n")
+    log_range(second, range(21, 41), attempt=2)
+    second.close()
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+# Both of TensorBoard's loaders: the Rust data server (default when installed) and the Python
+# one (--load_fast=false, and the fallback without tensorboard-data-server). They purge
+# differently: the Python one ignores the first session START of a run.
+@pytest.mark.parametrize("load_fast", ["true", "false"])
+def test_tensorboard_server_serves_unique_increasing_steps(restarted_run, load_fast):
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(restarted_run),
+         "--port", str(port), "--host", "127.0.0.1", f"--load_fast={load_fast}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}/data/plugin"
+    try:
+        deadline = time.monotonic() + 60.0
+        tags, points, config, events = {}, [], [], []
+        while time.monotonic() < deadline:
+            assert process.poll() is None, process.stderr.read().decode()
+            try:
+                tags = get_json(f"{base}/scalars/tags")
+                if "train/loss" in tags.get("tb", {}):
+                    points = get_json(f"{base}/scalars/scalars?run=tb&tag=train/loss")
+                    config = get_json(f"{base}/text/text?run=tb&tag=config/text_summary")
+                    events = get_json(f"{base}/text/text?run=tb&tag=events/text_summary")
+                    if len(points) >= 40 and len(config) >= 2 and events:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass  # not listening or not loaded yet
+            time.sleep(0.2)  # poll interval, bounded by the deadline
+        # Each point is [wall_time, step, value].
+        assert [step for _, step, _ in points] == list(range(1, 41))
+        assert [value for _, _, value in points] == (
+            [100.0 + step for step in range(1, 21)] + [200.0 + step for step in range(21, 41)]
+        )
+        assert {"elastic/world_size", "elastic/restart_count", "elastic/recovery_s"} <= set(tags["tb"])
+        assert [entry["step"] for entry in config] == [1, 21]
+        # The failed attempt's event at step 26 is purged; the recovery event at 21 stays.
+        assert [entry["step"] for entry in events] == [21]
+        assert "Failure recovered" in events[0]["text"]
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        process.stderr.close()
