@@ -152,6 +152,11 @@ class CheckpointConfig(Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options (e.g. endpoint_url, profile) for checkpoint.url."
     )
+    write_threads: int = Field(
+        default=2,
+        ge=1,
+        description="Threads (and so files) each rank writes its shards with; hashing runs in the same threads.",
+    )
     timeout_s: float = Field(
         default=600.0,
         gt=0,

@@ -108,4 +108,7 @@ def init_distributed(cfg: DistConfig) -> DistContext:
 def shutdown_distributed() -> None:
     """Destroy the default process group if there is one (safe to call twice)."""
     if dist.is_initialized():
+        # Destroying gloo groups right after DDP's last all-reduce can deadlock in torch 2.13 (the
+        # group's destructor joins a thread that waits for the GIL); a barrier drains them first.
+        dist.barrier()
         dist.destroy_process_group()

@@ -124,6 +124,39 @@ def _tls_credentials(ca_cert: str | None, cert: str | None, key: str | None):
     return grpc.ssl_channel_credentials(read(ca_cert), read(key), read(cert))
 
 
+def _rpc_error(exc: BaseException | None) -> grpc.RpcError | None:
+    """The gRPC error behind ``exc``: itself, or the one etcd3 was handling when it raised."""
+    for candidate in (exc, getattr(exc, "__cause__", None), getattr(exc, "__context__", None)):
+        if isinstance(candidate, grpc.RpcError):
+            return candidate
+    return None
+
+
+def _unavailable_reason(exc: BaseException) -> str:
+    """Why gRPC could not reach etcd, in words; TLS handshake failures are named as such.
+
+    A TLS failure looks like any other UNAVAILABLE to gRPC; without this the user would only
+    read "unavailable" and look for a network problem instead of a wrong CA or a missing
+    client certificate.
+    """
+    rpc = _rpc_error(exc)
+    details = rpc.details() if rpc is not None and callable(getattr(rpc, "details", None)) else ""
+    details = details or ""
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return (
+            "TLS handshake failed: certificate verify failed (the server's certificate is not signed "
+            "by the CA bundle given as ca_cert)"
+        )
+    if "BAD_CERTIFICATE" in details or "CERTIFICATE_REQUIRED" in details:
+        return (
+            "TLS handshake failed: the server rejected the client certificate (none was given, or it "
+            "is not signed by a CA the server trusts; set ssl_cert and ssl_cert_key)"
+        )
+    if "handshake" in details.lower():
+        return f"TLS handshake failed ({details})"
+    return details
+
+
 def _kv(kv) -> KeyValue:
     return KeyValue(kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
 
@@ -183,7 +216,11 @@ class EtcdClient:
         # closest member first.
         self._raw._current_endpoint_label = eps[0].netloc
         if user is not None:
-            self._call(self._authenticate)
+            try:
+                self._call(self._authenticate)
+            except BaseException:
+                self.close()  # else gRPC keeps reconnecting the abandoned channel in the background
+                raise
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -209,9 +246,9 @@ class EtcdClient:
             except etcd3.exceptions.ConnectionFailedError as exc:
                 attempts -= 1
                 if attempts <= 0:
-                    raise self._connection_error("is unavailable") from exc
+                    raise self._connection_error("is unavailable", exc) from exc
             except etcd3.exceptions.NoServerAvailableError as exc:
-                raise self._connection_error("is unavailable (all endpoints failed recently)") from exc
+                raise self._connection_error("is unavailable (all endpoints failed recently)", exc) from exc
             except (etcd3.exceptions.ConnectionTimeoutError, etcd3.exceptions.WatchTimedOut) as exc:
                 raise self._connection_error(f"did not answer within {self.timeout:g} s") from exc
             except grpc.RpcError as exc:
@@ -222,23 +259,25 @@ class EtcdClient:
                     self._raw.endpoint_in_use.fail()
                     attempts -= 1
                     if attempts <= 0:
-                        raise self._connection_error("is unavailable") from exc
+                        raise self._connection_error("is unavailable", exc) from exc
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise self._connection_error(f"did not answer within {self.timeout:g} s") from exc
                 if code == grpc.StatusCode.UNAUTHENTICATED and self._user is not None and not reauthenticated:
-                    # Expired or foreign-member token: authenticate again once and retry.
+                    # Expired or foreign-member token: authenticate again once and retry. The
+                    # authentication runs inside this loop so that its errors (a password changed
+                    # meanwhile) are mapped like any other.
                     reauthenticated = True
-                    self._authenticate()
+                    fn = self._reauthenticating(fn)
                     continue
                 if code in (
                     grpc.StatusCode.UNAUTHENTICATED,
                     grpc.StatusCode.PERMISSION_DENIED,
                     grpc.StatusCode.INVALID_ARGUMENT,
                 ) and ("auth" in (details or "") or "permission" in (details or "")):
+                    who = f"user {self._user!r}" if self._user is not None else "no user (auth may be enabled)"
                     raise EtcdAuthError(
-                        f"etcd at {self._endpoint_text()} refused the request for user "
-                        f"{self._user!r}: {details}"
+                        f"etcd at {self._endpoint_text()} refused the request for {who}: {details}"
                     ) from exc
                 raise EtcdError(f"etcd at {self._endpoint_text()} failed a request: {code}: {details}") from exc
             except etcd3.exceptions.Etcd3Exception as exc:
@@ -247,8 +286,16 @@ class EtcdClient:
     def _endpoint_text(self) -> str:
         return ",".join(self.endpoints)
 
-    def _connection_error(self, what: str) -> EtcdConnectionError:
-        return EtcdConnectionError(f"etcd at {self._endpoint_text()} {what}.")
+    def _reauthenticating(self, fn: Callable[[], _T]) -> Callable[[], _T]:
+        def again() -> _T:
+            self._authenticate()
+            return fn()
+
+        return again
+
+    def _connection_error(self, what: str, exc: BaseException | None = None) -> EtcdConnectionError:
+        reason = _unavailable_reason(exc) if exc is not None else ""
+        return EtcdConnectionError(f"etcd at {self._endpoint_text()} {what}" + (f": {reason}." if reason else "."))
 
     def close(self) -> None:
         """Close every channel; the client must not be used afterwards."""

@@ -1,0 +1,111 @@
+"""Run the side-by-side comparisons and write JSON plus a regenerated RESULTS.md.
+
+    python benchmarks/run.py --out /tmp/bench                 # everything, ~15 min; rewrites benchmarks/RESULTS.md
+    python benchmarks/run.py --only rendezvous --out /tmp/b   # one comparison (repeatable flag)
+    python benchmarks/run.py --smoke --out /tmp/b             # tiny sizes, < 2 min; RESULTS.md goes into --out
+
+Every comparison alternates its variants over several repeats and reports medians, ranges and
+per-repeat ratios (see benchmarks/common.py). Writes ``<out>/<name>.json`` per comparison and
+``<out>/results.json`` with all of them and the machine description. A comparison that fails is
+recorded with its error (and the exit code is 1); the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `elastic_ddp` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import Context, machine_info  # noqa: E402
+from benchmarks.report import render  # noqa: E402
+
+# In the order they run (the cheap, independent ones first).
+COMPARISONS = {
+    "contention": "benchmarks.bench_contention",
+    "rendezvous": "benchmarks.bench_rendezvous",
+    "checkpoint": "benchmarks.bench_checkpoint",
+    "resume": "benchmarks.bench_resume",
+    "training": "benchmarks.bench_training",
+    "metrics": "benchmarks.bench_metrics",
+    "recovery": "benchmarks.bench_recovery",
+}
+RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for the JSON results (created)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: checks that everything runs")
+    parser.add_argument("--only", action="append", choices=sorted(COMPARISONS), help="run only this comparison")
+    parser.add_argument("--repeats", type=int, default=0, help="repeats per comparison (default: 1 smoke, 3 full)")
+    parser.add_argument("--work-dir", default="", help="scratch directory on the disk to test (default: a temp dir)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    # dcp.save/load in one process without a process group (checkpoint, resume) says so every call.
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.only or list(COMPARISONS)
+    repeats = args.repeats or (1 if args.smoke else 3)
+    work = Path(tempfile.mkdtemp(prefix="elastic-ddp-bench-", dir=args.work_dir or None))
+    machine = machine_info()
+    results, failed = [], False
+    try:
+        for name in names:
+            module = importlib.import_module(COMPARISONS[name])
+            ctx = Context(smoke=args.smoke, work_dir=work / name, repeats=repeats)
+            ctx.work_dir.mkdir(parents=True, exist_ok=True)
+            print(f"== {name}: {module.TITLE}", flush=True)
+            start = time.monotonic()
+            try:
+                data = module.run(ctx).to_json()
+            except Exception as exc:  # one broken comparison must not hide the others' numbers
+                failed = True
+                data = {"name": name, "title": module.TITLE, "error": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc(), "rows": []}
+                print(data["traceback"], file=sys.stderr, flush=True)
+            data["wall_s"] = round(time.monotonic() - start, 1)
+            data["smoke"] = args.smoke
+            for line in _summary_lines(data):
+                print(line, flush=True)
+            (out / f"{name}.json").write_text(json.dumps(data, indent=2))
+            results.append(data)
+            shutil.rmtree(ctx.work_dir, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    (out / "results.json").write_text(json.dumps({"machine": machine, "smoke": args.smoke, "comparisons": results}, indent=2))
+    # A smoke run or a partial run must not replace the repository's full results.
+    target = RESULTS_MD if not args.smoke and not args.only else out / "RESULTS.md"
+    target.write_text(render(machine, results, smoke=args.smoke))
+    print(f"Wrote {out}/results.json and {target}", flush=True)
+    return 1 if failed else 0
+
+
+def _summary_lines(data: dict) -> list[str]:
+    if "error" in data:
+        return [f"   FAILED: {data['error'].splitlines()[0]}"]
+    lines = []
+    for r in data["rows"]:
+        median = "-" if r["median"] is None else f"{r['median']:.4g}"
+        mark = {True: "pass", False: "MISS", None: ""}[r["pass"]]
+        lines.append(f"   {r['label']}: {median} {r['unit']} {r['target']} {mark}".rstrip())
+    lines.append(f"   ({data['wall_s']} s)")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,592 @@
+"""CheckpointManager: sharded, atomic, verified checkpoints of a DDP run over any fsspec URL.
+
+Layout under ``cfg.url``::
+
+    step-000000100/            one directory per checkpoint
+        __0_0.distcp ...       DCP shards, written in parallel by several ranks
+        .metadata              DCP's index (a pickle: never read before it is verified)
+        manifest.json          the commit point: written last, by rank 0, once every shard is durable
+
+Contracts:
+
+* Every rank of the process group constructs the manager, and calls :meth:`save`, :meth:`latest`,
+  :meth:`resolve`, :meth:`load`, :meth:`wait` and :meth:`close` in the same order with the same
+  arguments (step): they are collective on the checkpoint's own gloo group. Without an initialized
+  process group the manager works alone (world size 1): the CLI and unit tests.
+* Only directories with a parseable manifest are checkpoints. A checkpoint is loaded only after
+  each of its files matched the manifest's size and SHA-256 (and, with
+  ``ELASTIC_DDP_CHECKPOINT_KEY`` set, after the manifest's signature checked out).
+* A failed save never raises into the training loop: it is logged, counted in ``failed_saves`` and
+  described in ``last_error``; nothing that looks committed is left behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.metadata
+import json
+import logging
+import pickle
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from elastic_ddp.checkpoint import manifest as mf
+from elastic_ddp.checkpoint.dcp_io import (
+    DCP_ERRORS,
+    METADATA_NAME,
+    HashingWriter,
+    HostStager,
+    VerifiedReader,
+    describe_error,
+    fault_point,
+)
+from elastic_ddp.checkpoint.storage import Storage, StorageError, join, normalize_url
+from elastic_ddp.config import CheckpointConfig
+
+log = logging.getLogger("elastic_ddp.checkpoint")
+
+STEP_DIR_RE = re.compile(r"^step-(\d{9,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be found, verified or used. The message names it and says why."""
+
+
+class ConfigMismatchError(CheckpointError):
+    """The checkpoint was saved with another model configuration (``differing`` names the fields)."""
+
+    def __init__(self, message: str, differing: list[str]) -> None:
+        super().__init__(message)
+        self.differing = differing
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as its manifest describes it."""
+
+    step: int
+    url: str
+    world_size: int
+    bytes: int
+    time: float
+    config_digest: str
+    model_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    manifest: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_manifest(cls, url: str, manifest: dict[str, Any]) -> CheckpointInfo:
+        return cls(
+            step=manifest["step"],
+            url=url,
+            world_size=manifest["world_size"],
+            bytes=int(manifest.get("bytes", 0)),
+            time=float(manifest.get("time", 0.0)),
+            config_digest=manifest["config_digest"],
+            model_config=dict(manifest.get("model_config") or {}),
+            manifest=manifest,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "url": self.url,
+            "world_size": self.world_size,
+            "bytes": self.bytes,
+            "time": self.time,
+            "config_digest": self.config_digest,
+            "versions": self.manifest.get("versions", {}),
+            "signed": "signature" in self.manifest,
+        }
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Numbers of the last completed save, for metrics.
+
+    ``stall_s``: how long ``save()`` blocked the training step; ``save_s``: from ``save()`` to the
+    commit; ``bytes``: size of all the checkpoint's files; ``throughput_bytes_per_s``: bytes / save_s.
+    """
+
+    step: int
+    stall_s: float
+    save_s: float
+    bytes: int
+    throughput_bytes_per_s: float
+
+
+def _versions() -> dict[str, str]:
+    try:
+        ours = importlib.metadata.version("elastic-ddp")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree: record that, not fail
+        ours = "unknown"
+    return {"torch": torch.__version__, "elastic_ddp": ours}
+
+
+def read_checkpoint(storage: Storage, ckpt_url: str) -> CheckpointInfo:
+    """The checkpoint at ``ckpt_url`` from its manifest. Raises CheckpointError if it has none or a bad one."""
+    where = f"{ckpt_url}/{mf.MANIFEST_NAME}"
+    try:
+        data = storage.read_bytes(join(ckpt_url, mf.MANIFEST_NAME))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{ckpt_url!r} is not a committed checkpoint: it has no {mf.MANIFEST_NAME}."
+        ) from None
+    try:
+        manifest = mf.parse(data, where)
+    except mf.ManifestError as exc:
+        raise CheckpointError(str(exc)) from None
+    return CheckpointInfo.from_manifest(ckpt_url, manifest)
+
+
+def list_checkpoints(storage: Storage) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``storage.url``, oldest first. Unreadable manifests are skipped with a warning."""
+    out = []
+    for name in storage.list_dirs(storage.url):
+        if not STEP_DIR_RE.match(name):
+            continue
+        ckpt_url = join(storage.url, name)
+        if not storage.exists(join(ckpt_url, mf.MANIFEST_NAME)):
+            continue  # an interrupted or in-progress save: never a checkpoint
+        try:
+            out.append(read_checkpoint(storage, ckpt_url))
+        except CheckpointError as exc:
+            log.warning("Skipping %s: %s", ckpt_url, exc)
+    return sorted(out, key=lambda info: info.step)
+
+
+def verify_checkpoint(storage: Storage, info: CheckpointInfo, names: list[str] | None = None) -> mf.VerifyResult:
+    """Signature (when a key is set) and then files ``names`` (default all) against the manifest."""
+    try:
+        mf.check_signature(info.manifest, mf.signing_key(), f"{info.url}/{mf.MANIFEST_NAME}")
+    except mf.ManifestError as exc:
+        return mf.VerifyResult(False, mf.MANIFEST_NAME, str(exc))
+    if METADATA_NAME not in info.manifest["files"]:
+        return mf.VerifyResult(False, METADATA_NAME, "the manifest does not list it")
+    try:
+        return mf.verify_files(storage, info.url, info.manifest, names)
+    except StorageError as exc:
+        return mf.VerifyResult(False, "", f"reading failed: {exc}")
+
+
+def retention_plan(
+    steps: list[int], *, keep_last: int, keep_every: int | None, protected: set[int]
+) -> tuple[list[int], str]:
+    """Which committed steps to delete, and why: a pure function, no I/O.
+
+    Keeps the newest ``keep_last``, every multiple of ``keep_every`` and the ``protected`` steps.
+    """
+    ordered = sorted(steps)
+    keep = set(ordered[-keep_last:]) | protected
+    if keep_every:
+        keep |= {s for s in ordered if s % keep_every == 0}
+    delete = [s for s in ordered if s not in keep]
+    why = f"keep_last={keep_last}, keep_every={keep_every}, protected={sorted(protected)}: deleting {delete}"
+    return delete, why
+
+
+class CheckpointManager:
+    """Saves, lists, verifies, selects and loads checkpoints of one run (see the module docstring).
+
+    ``config_digest`` is recorded in every manifest; a checkpoint with another digest is refused
+    by :meth:`resolve` and :meth:`load`. ``model_config`` (optional) is recorded too, so a refusal
+    can name the differing fields. ``process_group``: the group whose ranks share the checkpoint
+    (default: the world); the manager creates a gloo group of its own over those ranks, collectively.
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        config_digest: str,
+        model_config: dict[str, Any] | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if not cfg.url:
+            raise ValueError("checkpoint.url must not be empty when a CheckpointManager is built.")
+        self.cfg = cfg
+        self.url = normalize_url(cfg.url)
+        self.storage = Storage(self.url, cfg.storage_options)
+        self.config_digest = config_digest
+        self.model_config = dict(model_config or {})
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._pg: Any = None
+        if self._distributed:
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            # A group of its own: background save collectives then never interleave with (and so
+            # cannot deadlock against) the training loop's collectives on the default group.
+            self._pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
+        else:
+            self.rank, self.world_size = 0, 1
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self._pending: concurrent.futures.Future[bool] | None = None
+        self._stager = HostStager()
+        self._resumed_step: int | None = None
+        self._verified: set[tuple[str, str]] = set()
+        self.failed_saves = 0
+        self.last_error: str | None = None
+        self.last_save: SaveStats | None = None
+        self._last_ok = True
+        self._closed = False
+
+    # ----------------------------------------------------------------------------------- saving
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, Any] | None = None,
+        blocking: bool | None = None,
+    ) -> bool:
+        """Checkpoint ``model`` (the unwrapped module), ``optimizer`` and ``extra`` as step ``step``.
+
+        ``extra``: small picklable values (scheduler state, data cursor, RNG state, ...); the values
+        of rank 0 are saved. ``blocking`` None follows ``cfg.async_save``. An async save returns once
+        the state is copied to host memory; the write and commit run in the background. A previous
+        save still in flight is waited for first. Failures do not raise: they are logged, counted in
+        ``failed_saves`` and described in ``last_error``. Returns False if a blocking save failed.
+        """
+        if self._closed:
+            raise RuntimeError("This CheckpointManager is closed; no more saves can be started.")
+        if step < 0:
+            raise ValueError(f"The checkpoint step ({step}) must not be negative.")
+        blocking = (not self.cfg.async_save) if blocking is None else blocking
+        self.wait()
+        start = time.perf_counter()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if self.rank == 0:
+            # One opaque item, written by rank 0 only: its structure is unknown at load time, so it
+            # cannot be a nested dict DCP would flatten into keys the loader must know in advance.
+            state["extra"] = pickle.dumps(dict(extra or {}))
+        if blocking:
+            return self._save_now(step, state, start, stall_s=None)
+        staged = self._stager.stage(state)
+        stall = time.perf_counter() - start
+        self._pending = self._executor.submit(self._save_now, step, staged, start, stall)
+        return True
+
+    def wait(self) -> bool:
+        """Block until the save in flight (if any) is done; True unless the most recent save failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+        return self._last_ok
+
+    def close(self) -> bool:
+        """Finish the pending save and release the background thread; True unless that save failed."""
+        if self._closed:
+            return True
+        ok = self.wait()
+        self._executor.shutdown(wait=True)
+        self._closed = True
+        if not ok:
+            log.error("[%d/-] The last checkpoint save failed: %s", self.rank, self.last_error)
+        return ok
+
+    def _save_now(self, step: int, state: dict[str, Any], start: float, stall_s: float | None) -> bool:
+        ckpt_url = join(self.url, step_dir_name(step))
+        try:
+            nbytes = self._write_and_commit(step, ckpt_url, state)
+        except DCP_ERRORS as exc:  # a failed save must never take training down; it is surfaced instead
+            self.failed_saves += 1
+            self.last_error = f"The checkpoint of step {step} at {ckpt_url!r} failed: {describe_error(exc)}"
+            log.error("[%d/%d] %s", self.rank, step, self.last_error)
+            if self.rank == 0:
+                self._remove_uncommitted(ckpt_url, step)
+            self._last_ok = False
+            return False
+        self._last_ok = True
+        if nbytes is None:
+            return True  # already committed by an earlier save of the same step
+        elapsed = time.perf_counter() - start
+        self.last_save = SaveStats(
+            step=step,
+            stall_s=elapsed if stall_s is None else stall_s,
+            save_s=elapsed,
+            bytes=nbytes,
+            throughput_bytes_per_s=nbytes / elapsed if elapsed > 0 else 0.0,
+        )
+        log.info(
+            "[%d/%d] Checkpoint committed at %s: %d bytes in %.2f s (training stalled %.3f s).",
+            self.rank, step, ckpt_url, nbytes, elapsed, self.last_save.stall_s,
+        )
+        if self.rank == 0:
+            self._after_commit(step)
+        return True
+
+    def _write_and_commit(self, step: int, ckpt_url: str, state: dict[str, Any]) -> int | None:
+        # 1. Rank 0 decides whether to write, and clears a leftover of an interrupted save at this step.
+        decision = self._broadcast(self._preflight, ckpt_url)
+        if decision == "committed":
+            log.warning("[%d/%d] %s is already committed; not saving it again.", self.rank, step, ckpt_url)
+            return None
+        fault_point("before_write", self.rank)
+        # 2. DCP writes the shards in parallel; it propagates any rank's failure to every rank.
+        writer = HashingWriter(
+            ckpt_url,
+            self.cfg.storage_options,
+            rank=self.rank,
+            sync_files=self.storage.is_local,
+            threads=self.cfg.write_threads,
+        )
+        dcp.save(state, storage_writer=writer, process_group=self._pg)
+        fault_point("after_write", self.rank)
+        # 3. Each rank reports its files; rank 0 commits only if every report is complete.
+        report = self._local_report(ckpt_url, writer.records)
+        reports = self._all_gather(report)
+        # 4. Rank 0 writes the manifest (the commit point) and tells everyone how it went.
+        outcome = self._broadcast(self._commit, step, ckpt_url, reports)
+        if isinstance(outcome, str):
+            raise CheckpointError(outcome)
+        return int(outcome)
+
+    def _preflight(self, ckpt_url: str) -> str:
+        if self.storage.exists(join(ckpt_url, mf.MANIFEST_NAME)):
+            return "committed"
+        self.storage.remove_tree(ckpt_url)
+        return "write"
+
+    def _local_report(self, ckpt_url: str, records: dict[str, tuple[int, str] | None]) -> Any:
+        try:
+            files = []
+            for name, rec in sorted(records.items()):
+                if rec is None:  # the stream was seeked: hash what actually landed
+                    with self.storage.open_read(join(ckpt_url, name)) as stream:
+                        rec = mf.hash_stream(stream)
+                files.append(mf.FileRecord(name, rec[0], rec[1]))
+            return files
+        except Exception as exc:  # reported to rank 0, which then refuses to commit
+            return f"rank {self.rank} could not account for its files: {exc}"
+
+    def _commit(self, step: int, ckpt_url: str, reports: list[Any]) -> int | str:
+        errors = [r for r in reports if isinstance(r, str)]
+        if errors:
+            return "; ".join(errors)
+        files = [rec for report in reports for rec in report]
+        names = [f.name for f in files]
+        if METADATA_NAME not in names or len(set(names)) != len(names):
+            return f"the ranks' file reports are inconsistent ({sorted(names)})."
+        manifest = mf.build(
+            step=step,
+            world_size=self.world_size,
+            time_s=time.time(),
+            versions=_versions(),
+            config_digest=self.config_digest,
+            model_config=self.model_config,
+            files=files,
+        )
+        fault_point("before_manifest", self.rank)
+        data = json.dumps(manifest, sort_keys=True, indent=1).encode()
+        self.storage.write_bytes_atomic(join(ckpt_url, mf.MANIFEST_NAME), data)
+        return manifest["bytes"]
+
+    def _remove_uncommitted(self, ckpt_url: str, step: int) -> None:
+        try:
+            if not self.storage.exists(join(ckpt_url, mf.MANIFEST_NAME)):
+                self.storage.remove_tree(ckpt_url)
+        except Exception as exc:  # storage may be what failed; the directory has no manifest, so it is inert
+            log.warning("[%d/%d] Could not remove the uncommitted %s: %s", self.rank, step, ckpt_url, exc)
+
+    def _after_commit(self, step: int) -> None:
+        """Rank 0, after a commit: retention, then leftovers of interrupted saves older than ``step``."""
+        try:
+            committed = list_checkpoints(self.storage)
+            protected = {self._resumed_step} if self._resumed_step is not None and self._resumed_step > step else set()
+            protected.add(step)
+            delete, why = retention_plan(
+                [c.step for c in committed],
+                keep_last=self.cfg.keep_last,
+                keep_every=self.cfg.keep_every,
+                protected=protected,
+            )
+            if delete:
+                log.info("[%d/%d] Retention: %s.", self.rank, step, why)
+            for old in delete:
+                old_url = join(self.url, step_dir_name(old))
+                # Manifest first: a half-deleted checkpoint is then merely an uncommitted leftover.
+                self.storage.remove_file(join(old_url, mf.MANIFEST_NAME))
+                self.storage.remove_tree(old_url)
+            for name in self.storage.list_dirs(self.url):
+                match = STEP_DIR_RE.match(name)
+                if not match or int(match.group(1)) >= step:
+                    continue  # a newer directory may be a save in progress elsewhere: leave it alone
+                leftover = join(self.url, name)
+                if not self.storage.exists(join(leftover, mf.MANIFEST_NAME)):
+                    log.info("[%d/%d] Removing %s, left over by an interrupted save.", self.rank, step, leftover)
+                    self.storage.remove_tree(leftover)
+        except Exception as exc:  # the new checkpoint is committed; cleanup can be retried next time
+            log.warning("[%d/%d] Checkpoint cleanup failed (will retry after the next save): %s", self.rank, step, exc)
+
+    # --------------------------------------------------------------------------------- selection
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints under ``cfg.url``, oldest first (not verified; local, not collective)."""
+        return list_checkpoints(self.storage)
+
+    def verify(self, info: CheckpointInfo) -> mf.VerifyResult:
+        """Check every file of ``info`` on this process alone (not collective)."""
+        return verify_checkpoint(self.storage, info)
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for the metrics writer: the last completed save's figures and the failure count."""
+        scalars = {"ckpt/failed_saves": float(self.failed_saves)}
+        if self.last_save is not None:
+            scalars.update({
+                "ckpt/stall_s": self.last_save.stall_s,
+                "ckpt/save_s": self.last_save.save_s,
+                "ckpt/bytes": float(self.last_save.bytes),
+                "ckpt/throughput_bytes_per_s": self.last_save.throughput_bytes_per_s,
+            })  # fmt: skip
+        return scalars
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint that verifies (collective); older ones are tried in turn."""
+        self.wait()
+        committed = self._broadcast(self.list, raise_errors=False)
+        if isinstance(committed, Exception):
+            raise CheckpointError(f"Listing checkpoints under {self.url!r} failed: {committed}") from committed
+        for info in reversed(committed):
+            result = self._verify_collective(info)
+            if result.ok:
+                return info
+            log.warning(
+                "[%d/-] Skipping checkpoint %s: file %r failed verification (%s); trying the previous one.",
+                self.rank, info.url, result.bad_file, result.reason,
+            )
+        return None
+
+    def resolve(self, resume: str) -> CheckpointInfo | None:
+        """The checkpoint ``resume`` selects (``cfg.resume`` semantics), verified; collective.
+
+        ``'auto'``: newest committed, verified checkpoint or None; ``'never'``: None; a step number:
+        that step; a URL: that checkpoint. Raises CheckpointError if an explicitly named checkpoint
+        is missing or fails verification, ConfigMismatchError if its config digest differs.
+        """
+        resume = resume.strip()
+        if resume == "never":
+            return None
+        if resume == "auto":
+            info = self.latest()
+        else:
+            if resume.isdigit():
+                ckpt_url = join(self.url, step_dir_name(int(resume)))
+            else:
+                ckpt_url = normalize_url(resume)
+            storage = self.storage if ckpt_url.startswith(self.url) else Storage(ckpt_url, self.cfg.storage_options)
+            self.wait()
+            info = self._broadcast(read_checkpoint, storage, ckpt_url, raise_errors=False)
+            if isinstance(info, Exception):
+                raise CheckpointError(f"checkpoint.resume={resume!r}: {info}")
+            result = self._verify_collective(info, storage)
+            if not result.ok:
+                raise CheckpointError(
+                    f"checkpoint.resume={resume!r}: file {result.bad_file!r} of {ckpt_url!r} failed "
+                    f"verification ({result.reason})."
+                )
+        if info is not None:
+            self._check_digest(info)
+        return info
+
+    def _check_digest(self, info: CheckpointInfo) -> None:
+        if info.config_digest == self.config_digest:
+            return
+        differing = sorted(
+            key
+            for key in set(info.model_config) | set(self.model_config)
+            if info.model_config.get(key) != self.model_config.get(key)
+        )
+        detail = ", ".join(
+            f"{k}: checkpoint {info.model_config.get(k)!r} vs now {self.model_config.get(k)!r}" for k in differing
+        )
+        raise ConfigMismatchError(
+            f"Checkpoint {info.url!r} was saved with config digest {info.config_digest!r}, but this run "
+            f"has {self.config_digest!r}" + (f" (differing: {detail})." if detail else "."),
+            differing,
+        )
+
+    def _verify_collective(self, info: CheckpointInfo, storage: Storage | None = None) -> mf.VerifyResult:
+        """Every rank checks a share of the files; all ranks get the same verdict."""
+        storage = storage or self.storage
+        names = sorted(info.manifest["files"])[self.rank :: self.world_size]
+        local = verify_checkpoint(storage, info, names)
+        results = self._all_gather(local)
+        bad = next((r for r in results if not r.ok), None)
+        if bad is None:
+            self._verified.add((info.url, mf.hash_bytes(mf.canonical_json(info.manifest))))
+            return mf.VerifyResult(True)
+        return bad
+
+    # ------------------------------------------------------------------------------------ loading
+
+    def load(self, info: CheckpointInfo, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load ``info`` into ``model`` (unwrapped) and ``optimizer`` at any world size; return ``extra``.
+
+        Collective. The checkpoint is verified first unless this manager already verified it.
+        """
+        self.wait()
+        self._check_digest(info)
+        storage = self.storage if info.url.startswith(self.url) else Storage(info.url, self.cfg.storage_options)
+        if (info.url, mf.hash_bytes(mf.canonical_json(info.manifest))) not in self._verified:
+            result = self._verify_collective(info, storage)
+            if not result.ok:
+                raise CheckpointError(
+                    f"Checkpoint {info.url!r} cannot be loaded: file {result.bad_file!r} failed verification "
+                    f"({result.reason})."
+                )
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "extra": b""}
+        reader = VerifiedReader(info.url, self.cfg.storage_options, info.manifest["files"])
+        try:
+            dcp.load(state, storage_reader=reader, process_group=self._pg)
+        except DCP_ERRORS as exc:  # DCP wraps each rank's failure in its CheckpointException: name the checkpoint
+            raise CheckpointError(f"Loading checkpoint {info.url!r} failed: {describe_error(exc)}") from exc
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self._resumed_step = info.step
+        log.info("[%d/%d] Resumed from %s (saved at world size %d).", self.rank, info.step, info.url, info.world_size)
+        # Safe to unpickle: the file holding it matched the manifest.
+        return pickle.loads(state["extra"]) if state["extra"] else {}  # noqa: S301
+
+    # ------------------------------------------------------------------------------- collectives
+
+    def _broadcast(self, fn: Any, *args: Any, raise_errors: bool = True) -> Any:
+        """Run ``fn(*args)`` on rank 0 and give its result to every rank.
+
+        If ``fn`` raises, every rank raises it (``raise_errors``) or gets the exception as the value.
+        """
+        value: Any = None
+        if self.rank == 0:
+            try:
+                value = fn(*args)
+            except DCP_ERRORS as exc:  # shipped to every rank so all of them fail the same way
+                # Client exceptions may not pickle; a CheckpointError carrying the message always does.
+                value = exc if isinstance(exc, CheckpointError) else CheckpointError(describe_error(exc))
+        if self._distributed:
+            box = [value]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)
+            value = box[0]
+        if isinstance(value, Exception) and raise_errors:
+            raise value
+        return value
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out

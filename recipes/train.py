@@ -1,0 +1,156 @@
+"""Train a byte-level transformer language model with elastic, fault-tolerant DDP.
+
+One machine, two processes (no etcd needed)::
+
+    torchrun --standalone --nproc-per-node=2 recipes/train.py --train.max_steps=200
+
+Several machines, 1 to 4 of them, joined through etcd (run the same line on every machine)::
+
+    torchrun --nnodes=1:4 --nproc-per-node=8 --max-restarts=3 \
+        --rdzv-backend=etcd --rdzv-endpoint=etcd-0:2379,etcd-1:2379,etcd-2:2379 --rdzv-id=my-run \
+        recipes/train.py --config recipes/configs/default.yaml --checkpoint.url=s3://bucket/my-run
+
+The local demo (a bundled etcd and 2 agents on this machine)::
+
+    make demo
+
+Nodes may leave (preemption, failure) and join while the job runs: torchrun restarts the workers
+at the new world size and this script resumes from the newest committed, verified checkpoint,
+consuming exactly the samples the uninterrupted run would have consumed. Settings: see
+``elastic_ddp/config.py`` (every field has a description), ``--config FILE`` and
+``--section.field=value``.
+"""
+
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from elastic_ddp.checkpoint import CheckpointManager
+from elastic_ddp.config import ConfigError, load_config
+from elastic_ddp.data import ByteWindows, DataCursor, ElasticSampler, StepBatches, load_corpus
+from elastic_ddp.distributed import init_distributed, shutdown_distributed
+from elastic_ddp.loop import StepAgreement, StopSignal, exit_when_orphaned, lr_at
+from elastic_ddp.metrics import create_metrics
+from elastic_ddp.model import ByteGPT, per_sample_loss
+
+
+def main(argv: list[str]) -> int:
+    # Every setting is checked before any process group exists: a typo costs nothing.
+    try:
+        cfg = load_config(argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    stop_signal = StopSignal()  # SIGTERM now means "checkpoint at the next step, then exit"
+    exit_when_orphaned()  # if our torchrun agent dies, do not train on as a ghost
+    ctx = init_distributed(cfg.dist)
+
+    # The same seed on every rank gives the same initial weights (DDP also broadcasts them).
+    torch.manual_seed(cfg.train.seed)
+    model = ByteGPT(cfg.model).to(ctx.device)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95)
+    )
+    ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+
+    windows = ByteWindows(load_corpus(cfg.data), cfg.model.block_size)
+    sampler = ElasticSampler(len(windows), cfg.train.global_batch_size, cfg.train.seed)
+
+    # Resume from the newest committed, verified checkpoint, whatever world size wrote it.
+    checkpoints = CheckpointManager(
+        cfg.checkpoint, config_digest=cfg.model_digest(), model_config=cfg.model.model_dump()
+    )
+    step, cursor = 0, DataCursor(epoch=0, consumed=0)
+    resumed = checkpoints.resolve(cfg.checkpoint.resume)
+    if resumed is not None:
+        extra = checkpoints.load(resumed, model=model, optimizer=optimizer)
+        step, cursor = resumed.step, DataCursor.from_state_dict(extra["data"])
+    metrics = create_metrics(
+        cfg.logging,
+        rank=ctx.rank,
+        run_dir=cfg.run.dir,
+        resume_step=step if resumed is not None else None,
+        world_size=ctx.world_size,
+        restart_count=ctx.restart_count,
+        max_steps=cfg.train.max_steps,
+        storage_options=cfg.checkpoint.storage_options,
+    )
+    metrics.log_config(cfg.to_yaml())
+    if resumed is not None:
+        metrics.event(f"Resumed from {resumed.url} (step {resumed.step})")
+
+    batches = StepBatches(
+        windows, sampler, cursor, rank=ctx.rank, world_size=ctx.world_size,
+        num_steps=cfg.train.max_steps - step, start_step=step,
+        micro_batch_size=cfg.train.micro_batch_size,
+        num_workers=cfg.data.num_workers, prefetch_batches=cfg.data.prefetch_batches,
+    )
+    agreement = StepAgreement(ctx.device, stop_signal)
+    tokens_per_sample = cfg.model.block_size
+    ddp_model.train()
+    step_started = time.perf_counter()
+    for batch in batches:
+        data_wait_s = time.perf_counter() - step_started
+        lr = lr_at(step, cfg.train)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # Gradient accumulation: DDP all-reduces gradients only on the last micro-batch. Each
+        # sample's loss carries a weight that makes the all-reduced gradient the global-batch
+        # mean, whatever the world size and however the batch was split.
+        loss_sum = 0.0
+        for index, micro in enumerate(batch.micro_batches):
+            last = index == len(batch.micro_batches) - 1
+            x, y = micro.x.to(ctx.device, non_blocking=True), micro.y.to(ctx.device, non_blocking=True)
+            with nullcontext() if last else ddp_model.no_sync():
+                losses = per_sample_loss(ddp_model(x, micro.seeds.to(ctx.device)), y)
+                (losses * micro.weight.to(ctx.device)).sum().backward()
+            if not micro.dummy:
+                loss_sum += losses.detach().sum().item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step, cursor = step + 1, batch.cursor_after
+
+        # One small all-reduce: the global-batch loss for logging and whether any rank must stop.
+        outcome = agreement.agree(loss_sum, len(batch.rank_indices))
+        if outcome.stop or step == cfg.train.max_steps or (
+            cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
+        ):
+            checkpoints.save(
+                step, model=model, optimizer=optimizer,
+                extra={"data": cursor.state_dict(), "world_size": ctx.world_size},
+                blocking=outcome.stop or step == cfg.train.max_steps,
+            )
+        step_time_s = time.perf_counter() - step_started
+        if metrics.should_log(step) or outcome.stop:
+            samples = cfg.train.global_batch_size
+            metrics.log_step(step, {
+                "train/loss": outcome.loss,
+                "train/lr": lr,
+                "train/grad_norm": float(grad_norm),
+                "perf/step_time_s": step_time_s,
+                "perf/data_wait_s": data_wait_s,
+                "perf/samples_per_s": samples / step_time_s,
+                "perf/tokens_per_s": samples * tokens_per_sample / step_time_s,
+                **checkpoints.metrics(),
+            })
+        if outcome.stop:
+            metrics.event(f"Stopped at step {step} on request; checkpoint committed")
+            break
+        step_started = time.perf_counter()
+
+    checkpoints.close()  # waits for an async save still in flight
+    metrics.summary()
+    metrics.close()
+    shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.etcd"]

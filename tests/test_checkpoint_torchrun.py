@@ -1,0 +1,126 @@
+"""Multi-rank saves under real torchrun (gloo, CPU): sharding, resharding on resume, kill -9 mid-save."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_ddp.checkpoint import ENV_FAULT_POINT, CheckpointManager
+from elastic_ddp.config import CheckpointConfig
+
+WORKER = str(Path(__file__).parent / "workers" / "ckpt_worker.py")
+DIGEST = "worker-digest"  # the worker's config digest
+
+
+def _descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def torchrun(nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "--monitor-interval=0.1", WORKER, *args]
+    # Output goes to a file, not a pipe: a pipe held open by a stray worker would block the read.
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [proc.pid, *_descendants(proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            log.seek(0)
+            pytest.fail(f"torchrun {args} did not finish in {timeout} s:\n{log.read()[-6000:]}")
+        log.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, log.read(), "")
+
+
+def check(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
+
+
+def load_in_process_and_compare(url: str, dump: str) -> None:
+    """Resume at world size 1 (no process group) and compare with the saver's values."""
+    sys.path.insert(0, str(Path(WORKER).parent))
+    try:
+        import ckpt_worker
+    finally:
+        sys.path.pop(0)
+    model, opt = ckpt_worker.build()
+    mgr = CheckpointManager(CheckpointConfig(url=url), config_digest=DIGEST)
+    extra = mgr.load(mgr.resolve("auto"), model=model, optimizer=opt)
+    expected = torch.load(dump, weights_only=True)
+    for key, value in expected["model"].items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert extra["world"] != 1
+
+
+def data_file_ranks(ckpt_dir: Path) -> set[int]:
+    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+    return {int(name.split("_")[2]) for name in manifest["files"] if name.endswith(".distcp")}
+
+
+def test_save_at_4_ranks_writes_from_several_ranks_and_resumes_at_2_and_1(tmp_path) -> None:
+    url, dump = str(tmp_path / "ck"), str(tmp_path / "expected.pt")
+    check(torchrun(4, "save", "--url", url, "--steps", "3", "--save-at", "2", "3", "--dump", dump))
+    manifest = json.loads((tmp_path / "ck" / "step-000000003" / "manifest.json").read_text())
+    assert manifest["world_size"] == 4
+    assert len(data_file_ranks(tmp_path / "ck" / "step-000000003")) > 1  # DCP spread the replicated writes
+    out = check(torchrun(2, "load", "--url", url, "--dump", dump))
+    assert out.count("resumed step 3 saved at world size 4: OK") == 2
+    load_in_process_and_compare(url, dump)
+
+
+def test_save_at_2_ranks_resumes_at_3(tmp_path) -> None:
+    url, dump = str(tmp_path / "ck"), str(tmp_path / "expected.pt")
+    check(torchrun(2, "save", "--url", url, "--steps", "2", "--save-at", "2", "--dump", dump))
+    assert data_file_ranks(tmp_path / "ck" / "step-000000002") == {0, 1}
+    out = check(torchrun(3, "load", "--url", url, "--dump", dump))
+    assert out.count("resumed step 2 saved at world size 2: OK") == 3
+
+
+@pytest.mark.parametrize("point", ["before_write:1", "mid_write:1", "after_write:0", "before_manifest:0"])
+def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, point: str) -> None:
+    url = str(tmp_path / "ck")
+    # The previous checkpoint, saved alone: step 1.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    first = CheckpointManager(CheckpointConfig(url=url), config_digest=DIGEST)
+    assert first.save(1, model=model, optimizer=opt, extra={"step": 1}, blocking=True)
+
+    result = torchrun(2, "save", "--url", url, "--steps", "2", "--save-at", "2", "--fault-step", "2", "--fault", point)
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "SIGKILL" in result.stdout or "Signal 9" in result.stdout or "-9" in result.stdout, result.stdout[-3000:]
+
+    mgr = CheckpointManager(CheckpointConfig(url=url), config_digest=DIGEST)
+    assert [i.step for i in mgr.list()] == [1]
+    info = mgr.latest()
+    assert info.step == 1 and mgr.verify(info).ok
+    assert not (tmp_path / "ck" / "step-000000002" / "manifest.json").exists()
+    assert ENV_FAULT_POINT not in os.environ

@@ -1,0 +1,323 @@
+"""CheckpointManager without a process group: memory:// and local directories."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import uuid
+
+import pytest
+import torch
+
+from elastic_ddp.checkpoint import (
+    ENV_CHECKPOINT_KEY,
+    CheckpointError,
+    CheckpointManager,
+    ConfigMismatchError,
+    retention_plan,
+)
+from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.checkpoint.dcp_io import HostStager
+from elastic_ddp.config import CheckpointConfig
+
+MODEL_CONFIG = {"n_layer": 2, "n_embd": 8}
+
+
+def manager(url: str, digest: str = "digest-1", model_config: dict | None = None, **cfg) -> CheckpointManager:
+    return CheckpointManager(
+        CheckpointConfig(url=url, **cfg), config_digest=digest, model_config=model_config or MODEL_CONFIG
+    )
+
+
+def tiny(seed: int = 0, width: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt)
+    return model, opt
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(3, model[0].in_features)).pow(2).mean().backward()
+    opt.step()
+
+
+def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    msd = {k: v.clone() for k, v in model.state_dict().items()}
+    osd = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+    return msd, osd
+
+
+def assert_same(model: torch.nn.Module, opt: torch.optim.Optimizer, expected: tuple[dict, dict]) -> None:
+    msd, osd = expected
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, msd[key]), key
+    for index, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, osd[index][key]), (index, key)
+
+
+@pytest.fixture
+def mem_url() -> str:
+    return f"memory://ckpt-{uuid.uuid4().hex}"
+
+
+class Evil:
+    """Unpickling this creates the marker file: proof that a tampered pickle was (not) executed."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def save_steps(mgr: CheckpointManager, model, opt, steps, **kw) -> dict[int, tuple[dict, dict]]:
+    snapshots = {}
+    for step in steps:
+        train(model, opt)
+        mgr.save(step, model=model, optimizer=opt, extra={"step": step}, **kw)
+        snapshots[step] = clone_state(model, opt)
+    assert mgr.wait()
+    return snapshots
+
+
+def test_save_load_roundtrip_restores_model_optimizer_and_extra(mem_url: str) -> None:
+    model, opt = tiny()
+    mgr = manager(mem_url)
+    extra = {"step": 7, "sched": {"last_epoch": 7}, "cursor": {"epoch": 1, "offset": 96}, "rng": torch.get_rng_state()}
+    mgr.save(7, model=model, optimizer=opt, extra=extra)
+    assert mgr.close()
+    expected = clone_state(model, opt)
+
+    fresh_model, fresh_opt = tiny(seed=1)
+    mgr2 = manager(mem_url)
+    info = mgr2.resolve("auto")
+    assert info is not None and info.step == 7 and info.world_size == 1
+    got = mgr2.load(info, model=fresh_model, optimizer=fresh_opt)
+    assert_same(fresh_model, fresh_opt, expected)
+    assert got["cursor"] == extra["cursor"] and torch.equal(got["rng"], extra["rng"])
+    stats = mgr.last_save
+    assert stats is not None and stats.bytes == info.bytes > 0 and stats.throughput_bytes_per_s > 0
+
+
+def test_async_save_writes_the_values_of_its_step_while_training_mutates_them(mem_url: str) -> None:
+    model, opt = tiny(width=256)
+    mgr = manager(mem_url, async_save=True)
+    mgr.save(1, model=model, optimizer=opt, extra={"step": 1})
+    expected = clone_state(model, opt)
+    # Training goes on at once: mutate every parameter and optimizer tensor in place.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1000.0)
+        for state in opt.state.values():
+            state["exp_avg"].mul_(-1).add_(5)
+    assert mgr.wait(), mgr.last_error
+    fresh_model, fresh_opt = tiny(seed=3, width=256)
+    mgr.load(mgr.latest(), model=fresh_model, optimizer=fresh_opt)
+    assert_same(fresh_model, fresh_opt, expected)
+    assert mgr.last_save.stall_s < mgr.last_save.save_s
+
+
+def test_host_stager_copies_and_reuses_its_buffers() -> None:
+    stager = HostStager()
+    t = torch.ones(4)
+    first = stager.stage({"a": t, "b": [t, 3]})
+    assert first["a"].data_ptr() != t.data_ptr() and first["b"][1] == 3
+    t.add_(1)
+    assert torch.equal(first["a"], torch.ones(4))
+    second = stager.stage({"a": t, "b": [t, 3]})
+    assert second["a"].data_ptr() == first["a"].data_ptr() and torch.equal(second["a"], t)
+
+
+def test_manifest_records_step_world_size_time_versions_digest_and_checksums(tmp_path) -> None:
+    model, opt = tiny()
+    mgr = manager(str(tmp_path), digest="abc")
+    mgr.save(3, model=model, optimizer=opt, extra={}, blocking=True)
+    manifest = json.loads((tmp_path / "step-000000003" / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["world_size"] == 1 and manifest["time"] > 0
+    assert manifest["config_digest"] == "abc" and manifest["model_config"] == MODEL_CONFIG
+    assert manifest["versions"]["torch"] == torch.__version__ and "elastic_ddp" in manifest["versions"]
+    on_disk = {p.name: p.stat().st_size for p in (tmp_path / "step-000000003").iterdir() if p.name != "manifest.json"}
+    assert {n: f["size"] for n, f in manifest["files"].items()} == on_disk
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert "signature" not in manifest
+
+
+def test_interrupted_save_is_never_listed_and_older_leftovers_are_cleaned(tmp_path) -> None:
+    model, opt = tiny()
+    mgr = manager(str(tmp_path))
+    save_steps(mgr, model, opt, [1])
+    for step in (2, 99):  # leftovers: one older than the next save, one newer (maybe being written)
+        leftover = tmp_path / f"step-{step:09d}"
+        leftover.mkdir()
+        (leftover / "__0_0.distcp").write_bytes(b"partial")
+        (leftover / ".metadata").write_bytes(b"partial")
+    assert [i.step for i in mgr.list()] == [1]
+    assert mgr.latest().step == 1
+    save_steps(mgr, model, opt, [3])
+    assert [i.step for i in mgr.list()] == [1, 3]
+    assert not (tmp_path / "step-000000002").exists()
+    assert (tmp_path / "step-000000099").exists()
+
+
+def test_retention_plan_keeps_the_newest_the_multiples_and_the_protected() -> None:
+    delete, why = retention_plan([1, 2, 3, 4, 5, 6, 8], keep_last=2, keep_every=4, protected={1})
+    assert delete == [2, 3, 5] and "keep_last=2" in why
+    assert retention_plan([5], keep_last=1, keep_every=None, protected=set())[0] == []
+
+
+def test_retention_deletes_old_checkpoints_only_after_a_newer_commit(mem_url: str) -> None:
+    model, opt = tiny()
+    mgr = manager(mem_url, keep_last=2, keep_every=4)
+    save_steps(mgr, model, opt, [1, 2])
+    assert [i.step for i in mgr.list()] == [1, 2]
+    save_steps(mgr, model, opt, [3, 4, 5, 6])
+    assert [i.step for i in mgr.list()] == [4, 5, 6]
+
+
+def test_resolve_follows_the_resume_setting(mem_url: str) -> None:
+    model, opt = tiny()
+    mgr = manager(mem_url)
+    save_steps(mgr, model, opt, [2, 4])
+    assert mgr.resolve("never") is None
+    assert mgr.resolve("auto").step == 4
+    assert mgr.resolve("2").step == 2
+    assert mgr.resolve(f"{mem_url}/step-000000002").step == 2
+    with pytest.raises(CheckpointError, match="step-000000007"):
+        mgr.resolve("7")
+    assert manager(f"{mem_url}/empty").resolve("auto") is None
+
+
+def test_resume_from_another_model_config_is_refused_naming_the_field(mem_url: str) -> None:
+    model, opt = tiny()
+    save_steps(manager(mem_url), model, opt, [1])
+    other = manager(mem_url, digest="digest-2", model_config={"n_layer": 4, "n_embd": 8})
+    with pytest.raises(ConfigMismatchError, match="n_layer") as err:
+        other.resolve("auto")
+    assert err.value.differing == ["n_layer"]
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate"])
+def test_damaged_shard_fails_verify_and_latest_falls_back_with_a_warning(tmp_path, damage, caplog, capsys) -> None:
+    model, opt = tiny()
+    mgr = manager(str(tmp_path))
+    snaps = save_steps(mgr, model, opt, [1, 2])
+    shard = tmp_path / "step-000000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    if damage == "flip_byte":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) - 10]
+    shard.write_bytes(bytes(data))
+
+    assert ckpt_cli.main(["ckpt", "verify", str(tmp_path / "step-000000002")]) == 1
+    assert "__0_0.distcp" in capsys.readouterr().err
+    with caplog.at_level(logging.WARNING, logger="elastic_ddp.checkpoint"):
+        info = mgr.latest()
+    assert info.step == 1
+    assert "step-000000002" in caplog.text and "__0_0.distcp" in caplog.text
+    fresh_model, fresh_opt = tiny(seed=5)
+    mgr.load(info, model=fresh_model, optimizer=fresh_opt)
+    assert_same(fresh_model, fresh_opt, snaps[1])
+
+
+def _tamper_metadata(ckpt_dir, marker: str, *, rewrite_manifest: bool) -> None:
+    payload = pickle.dumps(Evil(marker))
+    (ckpt_dir / ".metadata").write_bytes(payload)
+    if rewrite_manifest:
+        # An attacker who can write the bucket also fixes up the checksums, but cannot sign.
+        import hashlib
+
+        manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+        manifest["files"][".metadata"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+        manifest.pop("signature", None)
+        (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_tampered_metadata_is_refused_before_anything_is_unpickled(tmp_path) -> None:
+    marker = str(tmp_path / "pwned")
+    root = tmp_path / "ckpts"
+    model, opt = tiny()
+    mgr = manager(str(root))
+    save_steps(mgr, model, opt, [1, 2])
+    _tamper_metadata(root / "step-000000002", marker, rewrite_manifest=False)
+
+    assert mgr.latest().step == 1
+    tampered = mgr.list()[-1]
+    with pytest.raises(CheckpointError, match=r"\.metadata"):
+        mgr.load(tampered, model=model, optimizer=opt)
+    assert ckpt_cli.main(["ckpt", "verify", tampered.url]) == 1
+    assert ckpt_cli.main(["ckpt", "export", tampered.url, str(tmp_path / "out.pt")]) == 1
+    assert not os.path.exists(marker)
+    # The payload is live: unpickling it really would have run code.
+    pickle.loads((root / "step-000000002" / ".metadata").read_bytes())
+    assert os.path.exists(marker)
+
+
+def test_signed_manifest_refuses_unsigned_and_re_checksummed_checkpoints(tmp_path, monkeypatch, caplog) -> None:
+    key = "s3cr3t-" + uuid.uuid4().hex
+    marker = str(tmp_path / "pwned")
+    root = tmp_path / "ckpts"
+    model, opt = tiny()
+    save_steps(manager(str(root)), model, opt, [1])  # saved without a key: unsigned
+    monkeypatch.setenv(ENV_CHECKPOINT_KEY, key)
+    with caplog.at_level(logging.DEBUG, logger="elastic_ddp.checkpoint"):
+        mgr = manager(str(root))
+        assert mgr.latest() is None  # the only checkpoint is unsigned: refused
+        save_steps(mgr, model, opt, [2, 3])
+        assert mgr.latest().step == 3
+        manifest_bytes = (root / "step-000000003" / "manifest.json").read_bytes()
+        assert b"hmac-sha256" in manifest_bytes and key.encode() not in manifest_bytes
+
+        _tamper_metadata(root / "step-000000003", marker, rewrite_manifest=True)
+        assert mgr.latest().step == 2
+        with pytest.raises(CheckpointError, match="not signed"):
+            mgr.load(mgr.list()[-1], model=model, optimizer=opt)
+        with pytest.raises(CheckpointError, match="verification"):
+            mgr.resolve("3")
+    assert key not in caplog.text
+    assert not os.path.exists(marker)
+    monkeypatch.setenv(ENV_CHECKPOINT_KEY, "another-key")
+    assert manager(str(root)).latest() is None  # step 2 is signed with the other key
+
+
+def test_cli_lists_verifies_and_exports_plain_weights(tmp_path, capsys) -> None:
+    model, opt = tiny()
+    mgr = manager(str(tmp_path / "c"))
+    save_steps(mgr, model, opt, [1, 2])
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    assert ckpt_cli.main(["ckpt", "list", str(tmp_path / "c"), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [e["step"] for e in listed] == [1, 2]
+    assert {"step", "url", "world_size", "bytes", "time"} <= set(listed[0])
+    assert ckpt_cli.main(["ckpt", "list", str(tmp_path / "c")]) == 0
+    assert "step-000000002" in capsys.readouterr().out
+
+    url = listed[-1]["url"]
+    assert ckpt_cli.main(["ckpt", "verify", url]) == 0
+    assert ckpt_cli.main(["ckpt", "verify", str(tmp_path / "c" / "nope")]) == 1
+    out = tmp_path / "weights.pt"
+    assert ckpt_cli.main(["ckpt", "export", url, str(out)]) == 0
+    weights = torch.load(out, weights_only=True)
+    assert set(weights) == set(expected)
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def test_elastic_ddp_ckpt_commands_run_through_the_top_level_cli(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    model, opt = tiny()
+    save_steps(manager(str(tmp_path / "c")), model, opt, [4])
+    run = [sys.executable, "-m", "elastic_ddp.cli", "ckpt"]
+    listed = subprocess.run([*run, "list", str(tmp_path / "c"), "--json"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    url = json.loads(listed.stdout)[0]["url"]
+    out = tmp_path / "w.pt"
+    assert subprocess.run([*run, "export", url, str(out)], capture_output=True, timeout=60).returncode == 0
+    assert set(torch.load(out, weights_only=True)) == set(model.state_dict())
