@@ -62,6 +62,8 @@ PASSWORD_ENV = "ELASTIC_DDP_ETCD_PASSWORD"
 """The etcd password (with rdzv_conf ``user``); never taken from rdzv_conf, which is visible in
 ``ps`` output and logs."""
 TORCH_ETCD_ENV = "ELASTIC_DDP_TORCH_ETCD"
+# torch: "1" makes each rendezvous round host a new store on its rank-0 worker.
+DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """``1``: ``--rdzv-backend=etcd`` stays torch's legacy v2 handler."""
 
 DEFAULT_ENDPOINT_PORT = 2379
@@ -271,6 +273,12 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     params = _with_recovery_defaults(params)
     backend, store = create_backend(params)
+    # torch's shared worker TCPStore is hosted by the first round's rank-0 agent and its address
+    # is cached by the other agents; after a membership change of three or more nodes a round can
+    # keep an address no one serves, and the workers hang. Without sharing, each round's rank-0
+    # worker hosts a fresh store, so no node stays a single point of failure. A value the user
+    # set wins.
+    os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")
     return create_handler(store, backend, params)
 
 
