@@ -121,6 +121,13 @@ class DataConfig(Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options for a remote data.path."
     )
+    ledger: bool = Field(
+        default=False,
+        description=(
+            "Record every step's sample indices and loss per rank under <run dir>/ledger/ "
+            "(an audit of exactly-once sample order; see elastic_ddp/data/ledger.py)."
+        ),
+    )
 
 
 class CheckpointConfig(Section):
@@ -200,6 +207,15 @@ class DistConfig(Section):
         default=60.0,
         gt=0,
         description="Seconds a collective may wait for a peer before the group is declared broken.",
+    )
+    restart_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "After a stop checkpoint, seconds a rank that was not itself asked to stop waits for its "
+            "agent to restart it at the new membership; then it exits with an error, so the agent "
+            "restarts it anyway."
+        ),
     )
 
 

@@ -4,6 +4,11 @@ Stopping is cooperative. SIGTERM (what Kubernetes, Slurm and torchrun send on pr
 before restarting a worker group) only sets a flag. Once per optimizer step every rank adds its
 flag to the one small all-reduce that also sums the loss for logging, so all ranks learn of a
 stop at the same step boundary and can commit a checkpoint of that same step before exiting.
+
+After that checkpoint a rank that received the signal itself exits (:data:`EXIT_STOPPED`). A rank
+that did not -- a survivor of a preemption elsewhere -- waits (:func:`wait_for_restart`) until its
+own agent, noticing the membership change, restarts it at the new world size: no step is lost and
+no restart of ``--max-restarts`` is spent.
 """
 
 from __future__ import annotations
@@ -26,18 +31,29 @@ log = logging.getLogger(__name__)
 # Exit status of a worker whose agent vanished (the node was lost): it must not train on as a
 # ghost of the old group, so it leaves on its own.
 EXIT_ORPHANED = 70
+# Exit status after a stop on request with the checkpoint committed (EX_TEMPFAIL: run again to
+# resume). Non-zero on purpose: a worker stopped by someone other than its agent is restarted.
+EXIT_STOPPED = 75
+# The stop did not reach a step boundary (and its checkpoint) within checkpoint.grace_s.
+EXIT_STOP_TIMEOUT = 76
+# A survivor waited dist.restart_wait_s after a stop checkpoint without being restarted.
+EXIT_NOT_RESTARTED = 77
 
 
 class StopSignal:
     """Records SIGTERM/SIGINT instead of dying, so the loop can stop at a step boundary.
 
     A second signal of the same kind while stopping restores the default action, so an operator
-    can still force an exit.
+    can still force an exit. ``grace_s`` bounds the cooperative stop: a rank stuck where it cannot
+    reach a step boundary (a hung collective, a peer that froze) exits with
+    :data:`EXIT_STOP_TIMEOUT` that long after the signal instead of waiting for SIGKILL.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), grace_s: float | None = None) -> None:
         self.received: int | None = None
         self.received_at: float | None = None
+        self._grace_s = grace_s
+        self._woken = threading.Event()
         self._previous = {}
         for signum in signals:
             self._previous[signum] = signal.signal(signum, self._handle)
@@ -49,6 +65,23 @@ class StopSignal:
             return
         self.received = signum
         self.received_at = time.monotonic()
+        self._woken.set()
+        if self._grace_s is not None:
+            timer = threading.Timer(self._grace_s, self._grace_expired)
+            timer.daemon = True
+            timer.start()
+
+    def _grace_expired(self) -> None:
+        log.error(
+            "Signal %s was received %.0f s ago and this rank has not stopped at a step boundary; exiting.",
+            signal.Signals(self.received).name, self._grace_s,
+        )  # fmt: skip
+        logging.shutdown()
+        os._exit(EXIT_STOP_TIMEOUT)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a signal is received (True) or ``timeout`` s pass (False)."""
+        return self._woken.wait(timeout)
 
     @property
     def requested(self) -> bool:
@@ -93,6 +126,22 @@ class StepAgreement:
             stop=stops > 0,
             stop_here=stop_here,
         )
+
+
+def wait_for_restart(stop_signal: StopSignal, timeout_s: float) -> int:
+    """After a stop checkpoint: the exit status to leave with, once this rank may leave.
+
+    A rank that received the stop signal itself leaves now. Any other rank waits for its agent's
+    SIGTERM, which comes when the agent restarts the workers at the new membership, and then
+    leaves; should it not come within ``timeout_s``, the rank leaves with an error so that the agent
+    restarts it anyway (the checkpoint is committed, so nothing is lost either way).
+    """
+    if not stop_signal.requested:
+        log.info("Stop checkpoint committed; waiting for the agent to restart this rank at the new membership.")
+        if not stop_signal.wait(timeout_s):
+            log.error("No restart within %.0f s of the stop checkpoint; exiting so the agent restarts this rank.", timeout_s)
+            return EXIT_NOT_RESTARTED
+    return EXIT_STOPPED
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

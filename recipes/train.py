@@ -21,22 +21,29 @@ consuming exactly the samples the uninterrupted run would have consumed. Setting
 ``--section.field=value``.
 """
 
+import os
 import sys
 import time
 from contextlib import nullcontext
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from elastic_ddp.chaos import maybe_inject
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.config import ConfigError, load_config
-from elastic_ddp.data import ByteWindows, DataCursor, ElasticSampler, StepBatches, load_corpus
+from elastic_ddp.data import (
+    ByteWindows, DataCursor, ElasticSampler, StepBatches, StepLedger, corpus_fingerprint, load_corpus,
+)  # fmt: skip
 from elastic_ddp.distributed import init_distributed, shutdown_distributed
-from elastic_ddp.loop import StepAgreement, StopSignal, exit_when_orphaned, lr_at
+from elastic_ddp.failures import FailureReport
+from elastic_ddp.loop import StepAgreement, StopSignal, exit_when_orphaned, lr_at, wait_for_restart
 from elastic_ddp.metrics import create_metrics
 from elastic_ddp.model import ByteGPT, per_sample_loss
 
 
+@record  # torchrun prints this worker's exception as the root cause when it gives up
 def main(argv: list[str]) -> int:
     # Every setting is checked before any process group exists: a typo costs nothing.
     try:
@@ -44,7 +51,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    stop_signal = StopSignal()  # SIGTERM now means "checkpoint at the next step, then exit"
+    # SIGTERM now means "checkpoint at the next step boundary, then exit", within grace_s.
+    stop_signal = StopSignal(grace_s=cfg.checkpoint.grace_s)
     exit_when_orphaned()  # if our torchrun agent dies, do not train on as a ghost
     ctx = init_distributed(cfg.dist)
 
@@ -56,7 +64,8 @@ def main(argv: list[str]) -> int:
     )
     ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
 
-    windows = ByteWindows(load_corpus(cfg.data), cfg.model.block_size)
+    corpus = load_corpus(cfg.data)
+    windows = ByteWindows(corpus, cfg.model.block_size)
     sampler = ElasticSampler(len(windows), cfg.train.global_batch_size, cfg.train.seed)
 
     # Resume from the newest committed, verified checkpoint, whatever world size wrote it.
@@ -65,9 +74,18 @@ def main(argv: list[str]) -> int:
     )
     step, cursor = 0, DataCursor(epoch=0, consumed=0)
     resumed = checkpoints.resolve(cfg.checkpoint.resume)
+    fingerprint = corpus_fingerprint(corpus)
     if resumed is not None:
         extra = checkpoints.load(resumed, model=model, optimizer=optimizer)
         step, cursor = resumed.step, DataCursor.from_state_dict(extra["data"])
+        # The cursor counts positions in a permutation of this corpus's samples: other bytes would
+        # make "exactly the samples the uninterrupted run consumed" silently false.
+        if extra.get("corpus", fingerprint) != fingerprint:
+            raise RuntimeError(
+                f"{resumed.url} was written for a corpus with fingerprint {extra['corpus']}, but data.path "
+                f"({cfg.data.path or 'the standard library'}, data.max_bytes={cfg.data.max_bytes}) now reads "
+                f"{fingerprint}. Use the same data, or start a new run (checkpoint.resume=never)."
+            )
     metrics = create_metrics(
         cfg.logging,
         rank=ctx.rank,
@@ -88,67 +106,83 @@ def main(argv: list[str]) -> int:
         micro_batch_size=cfg.train.micro_batch_size,
         num_workers=cfg.data.num_workers, prefetch_batches=cfg.data.prefetch_batches,
     )
+    ledger = StepLedger(cfg.run.dir, rank=ctx.rank, world_size=ctx.world_size, resume_step=step, enabled=cfg.data.ledger)
+    failures = FailureReport(
+        cfg.run.dir, rank=ctx.rank, restart_count=ctx.restart_count,
+        max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+    )  # fmt: skip
     agreement = StepAgreement(ctx.device, stop_signal)
     tokens_per_sample = cfg.model.block_size
+    stopped = False
     ddp_model.train()
     step_started = time.perf_counter()
-    for batch in batches:
-        data_wait_s = time.perf_counter() - step_started
-        lr = lr_at(step, cfg.train)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    with failures:  # a crash that recurs at the same step ends with one clear error
+        for batch in batches:
+            maybe_inject(step + 1, ctx.rank)  # chaos tests only; a no-op unless ELASTIC_DDP_FAULT is set
+            data_wait_s = time.perf_counter() - step_started
+            lr = lr_at(step, cfg.train)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
-        # Gradient accumulation: DDP all-reduces gradients only on the last micro-batch. Each
-        # sample's loss carries a weight that makes the all-reduced gradient the global-batch
-        # mean, whatever the world size and however the batch was split.
-        loss_sum = 0.0
-        for index, micro in enumerate(batch.micro_batches):
-            last = index == len(batch.micro_batches) - 1
-            x, y = micro.x.to(ctx.device, non_blocking=True), micro.y.to(ctx.device, non_blocking=True)
-            with nullcontext() if last else ddp_model.no_sync():
-                losses = per_sample_loss(ddp_model(x, micro.seeds.to(ctx.device)), y)
-                (losses * micro.weight.to(ctx.device)).sum().backward()
-            if not micro.dummy:
-                loss_sum += losses.detach().sum().item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-        )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step, cursor = step + 1, batch.cursor_after
-
-        # One small all-reduce: the global-batch loss for logging and whether any rank must stop.
-        outcome = agreement.agree(loss_sum, len(batch.rank_indices))
-        if outcome.stop or step == cfg.train.max_steps or (
-            cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
-        ):
-            checkpoints.save(
-                step, model=model, optimizer=optimizer,
-                extra={"data": cursor.state_dict(), "world_size": ctx.world_size},
-                blocking=outcome.stop or step == cfg.train.max_steps,
+            # Gradient accumulation: DDP all-reduces gradients only on the last micro-batch. Each
+            # sample's loss carries a weight that makes the all-reduced gradient the global-batch
+            # mean, whatever the world size and however the batch was split.
+            loss_sum = 0.0
+            for index, micro in enumerate(batch.micro_batches):
+                last = index == len(batch.micro_batches) - 1
+                x, y = micro.x.to(ctx.device, non_blocking=True), micro.y.to(ctx.device, non_blocking=True)
+                with nullcontext() if last else ddp_model.no_sync():
+                    losses = per_sample_loss(ddp_model(x, micro.seeds.to(ctx.device)), y)
+                    (losses * micro.weight.to(ctx.device)).sum().backward()
+                if not micro.dummy:
+                    loss_sum += losses.detach().sum().item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
             )
-        step_time_s = time.perf_counter() - step_started
-        if metrics.should_log(step) or outcome.stop:
-            samples = cfg.train.global_batch_size
-            metrics.log_step(step, {
-                "train/loss": outcome.loss,
-                "train/lr": lr,
-                "train/grad_norm": float(grad_norm),
-                "perf/step_time_s": step_time_s,
-                "perf/data_wait_s": data_wait_s,
-                "perf/samples_per_s": samples / step_time_s,
-                "perf/tokens_per_s": samples * tokens_per_sample / step_time_s,
-                **checkpoints.metrics(),
-            })
-        if outcome.stop:
-            metrics.event(f"Stopped at step {step} on request; checkpoint committed")
-            break
-        step_started = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step, cursor = step + 1, batch.cursor_after
+            failures.step = step
+
+            # One small all-reduce: the global-batch loss for logging and whether any rank must stop.
+            outcome = agreement.agree(loss_sum, len(batch.rank_indices))
+            ledger.record(step, batch.rank_indices, outcome.loss)
+            stopped = outcome.stop
+            if stopped or step == cfg.train.max_steps or (
+                cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
+            ):
+                checkpoints.save(
+                    step, model=model, optimizer=optimizer,
+                    extra={"data": cursor.state_dict(), "corpus": fingerprint, "world_size": ctx.world_size},
+                    blocking=stopped or step == cfg.train.max_steps,
+                )  # fmt: skip
+            step_time_s = time.perf_counter() - step_started
+            if metrics.should_log(step) or stopped:
+                samples = cfg.train.global_batch_size
+                metrics.log_step(step, {
+                    "train/loss": outcome.loss,
+                    "train/lr": lr,
+                    "train/grad_norm": float(grad_norm),
+                    "perf/step_time_s": step_time_s,
+                    "perf/data_wait_s": data_wait_s,
+                    "perf/samples_per_s": samples / step_time_s,
+                    "perf/tokens_per_s": samples * tokens_per_sample / step_time_s,
+                    **checkpoints.metrics(),
+                })  # fmt: skip
+            if stopped:
+                metrics.event(f"Stopped at step {step} on request; checkpoint committed")
+                break
+            step_started = time.perf_counter()
 
     checkpoints.close()  # waits for an async save still in flight
+    ledger.close()
     metrics.summary()
     metrics.close()
     shutdown_distributed()
+    if stopped:
+        # Preempted ranks leave now; survivors wait for their agent to restart them at the new
+        # membership, so the stop costs neither steps nor one of torchrun's --max-restarts.
+        return wait_for_restart(stop_signal, cfg.dist.restart_wait_s)
     return 0
 
 

@@ -125,7 +125,7 @@ def test_recovery_defaults_are_injected_but_user_values_win():
     assert merged.get_as_int("last_call_timeout") == 7
     assert merged.get_as_int("keep_alive_interval") == plugin.DEFAULT_KEEP_ALIVE_INTERVAL
     assert merged.get_as_int("keep_alive_max_attempt") == plugin.DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
-    assert merged.get_as_int("heartbeat") == plugin.DEFAULT_HEARTBEAT_TIMEOUT
+    assert merged.get_as_int("heartbeat_timeout") == plugin.DEFAULT_HEARTBEAT_TIMEOUT
 
 
 def test_handler_is_created_with_the_recovery_defaults(etcd_endpoint):

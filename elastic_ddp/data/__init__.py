@@ -5,6 +5,7 @@ changes) and for how a training loop uses these pieces.
 """
 
 from elastic_ddp.data.corpus import corpus_fingerprint, glob_match, load_corpus, stdlib_root
+from elastic_ddp.data.ledger import LedgerStep, StepLedger, read_ledger
 from elastic_ddp.data.loader import MicroBatch, StepBatch, StepBatches, make_step_batch
 from elastic_ddp.data.sampler import (
     ByteWindows,
@@ -20,9 +21,11 @@ __all__ = [
     "ByteWindows",
     "DataCursor",
     "ElasticSampler",
+    "LedgerStep",
     "MicroBatch",
     "StepBatch",
     "StepBatches",
+    "StepLedger",
     "corpus_fingerprint",
     "derive_seed",
     "glob_match",
@@ -31,6 +34,7 @@ __all__ = [
     "micro_batches",
     "rank_loss_scale",
     "rank_slice",
+    "read_ledger",
     "sample_seeds",
     "stdlib_root",
 ]

@@ -81,7 +81,7 @@ _HANDLER_DEFAULTS: dict[str, int] = {
     "keep_alive_interval": DEFAULT_KEEP_ALIVE_INTERVAL,
     "keep_alive_max_attempt": DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
     "last_call_timeout": DEFAULT_LAST_CALL_TIMEOUT,
-    "heartbeat": DEFAULT_HEARTBEAT_TIMEOUT,
+    "heartbeat_timeout": DEFAULT_HEARTBEAT_TIMEOUT,
     "close_timeout": DEFAULT_CLOSE_TIMEOUT,
 }
 
@@ -98,7 +98,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 # Keys torch's handler reads, or torchrun itself adds ("timeout": its legacy join timeout, always
 # set; "rank": --node-rank), accepted and passed through.
 _TORCH_KEYS = frozenset(
-    {"join_timeout", "timeout", "rank", "is_host", "local_addr", *_HANDLER_DEFAULTS}
+    {"join_timeout", "timeout", "rank", "is_host", "local_addr", "heartbeat", *_HANDLER_DEFAULTS}
 )
 
 
@@ -235,7 +235,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
 
     Passed through to torch's handler, with this project's defaults when not given:
     ``keep_alive_interval`` 1, ``keep_alive_max_attempt`` 3, ``last_call_timeout`` 2,
-    ``heartbeat`` 5, ``close_timeout`` 10, ``join_timeout`` 600 (torch's). torchrun's own
+    ``heartbeat_timeout`` (or ``heartbeat``) 5, ``close_timeout`` 10, ``join_timeout`` 600 (torch's). torchrun's own
     ``timeout`` and ``rank`` are accepted and ignored. Any other key raises ``ValueError``.
 
     Layout: the state is ``<key_prefix>/<run_id>/state``; the store's keys are under
@@ -268,8 +268,10 @@ def _with_recovery_defaults(params: RendezvousParameters) -> RendezvousParameter
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun's handler creator: a DynamicRendezvousHandler on etcd v3 (see create_backend)."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    """torchrun's handler creator: an :class:`~elastic_ddp.rendezvous.handler.ElasticRendezvousHandler`
+    (torch's DynamicRendezvousHandler that also restarts survivors when a node leaves) on etcd v3
+    (see :func:`create_backend`)."""
+    from elastic_ddp.rendezvous.handler import create_elastic_handler
 
     params = _with_recovery_defaults(params)
     backend, store = create_backend(params)
@@ -279,7 +281,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     # worker hosts a fresh store, so no node stays a single point of failure. A value the user
     # set wins.
     os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")
-    return create_handler(store, backend, params)
+    return create_elastic_handler(store, backend, params)
 
 
 def etcd_v3_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
