@@ -38,6 +38,7 @@ from elastic_ddp.data import (
 )  # fmt: skip
 from elastic_ddp.distributed import init_distributed, shutdown_distributed
 from elastic_ddp.failures import FailureReport
+from elastic_ddp.logs import configure_logging
 from elastic_ddp.loop import StepAgreement, StopSignal, exit_when_orphaned, lr_at, wait_for_restart
 from elastic_ddp.metrics import create_metrics
 from elastic_ddp.model import ByteGPT, per_sample_loss
@@ -55,6 +56,7 @@ def main(argv: list[str]) -> int:
     stop_signal = StopSignal(grace_s=cfg.checkpoint.grace_s)
     exit_when_orphaned()  # if our torchrun agent dies, do not train on as a ghost
     ctx = init_distributed(cfg.dist)
+    configure_logging(f"rank {ctx.rank}")
 
     # The same seed on every rank gives the same initial weights (DDP also broadcasts them).
     torch.manual_seed(cfg.train.seed)

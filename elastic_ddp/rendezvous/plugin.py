@@ -271,8 +271,10 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torchrun's handler creator: an :class:`~elastic_ddp.rendezvous.handler.ElasticRendezvousHandler`
     (torch's DynamicRendezvousHandler that also restarts survivors when a node leaves) on etcd v3
     (see :func:`create_backend`)."""
+    from elastic_ddp.logs import configure_logging
     from elastic_ddp.rendezvous.handler import create_elastic_handler
 
+    configure_logging("agent")
     params = _with_recovery_defaults(params)
     backend, store = create_backend(params)
     # torch's shared worker TCPStore is hosted by the first round's rank-0 agent and its address

@@ -1,0 +1,135 @@
+"""A local elastic job for integration tests: N torchrun agents running the recipe via etcd.
+
+Each node's output goes to its own log; progress is read from rank 0's console lines
+(``step=N/M loss=... world_size=W``) and from events (``event: Resumed from ... (step N)``).
+Measured figures are printed as one ``RELIABILITY {json}`` line per scenario and, when
+``ELASTIC_DDP_RELIABILITY_OUT`` names a file, appended to it (``benchmarks/reliability.py`` turns
+them into docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.helpers.nodes import Node, start_node, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "train.py"
+ENV_RELIABILITY_OUT = "ELASTIC_DDP_RELIABILITY_OUT"
+
+# A model and corpus small enough that a step takes milliseconds on a loaded 2-core machine.
+TINY = [
+    "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
+    "--data.max_bytes=300000", "--train.global_batch_size=8", "--train.warmup_steps=2",
+    "--logging.every_steps=1",
+]  # fmt: skip
+
+STEP_LINE = re.compile(r"step=(\d+)/(\d+) loss=([\d.]+).* world_size=(\d+)")
+RESUMED_LINE = re.compile(r"event: Resumed from (\S+) \(step (\d+)\)")
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def steps(output: str) -> list[tuple[int, int]]:
+    """(step, world size) of every progress line in ``output``."""
+    return [(int(m[1]), int(m[4])) for m in STEP_LINE.finditer(output)]
+
+
+def resumed_steps(output: str) -> list[int]:
+    return [int(m[2]) for m in RESUMED_LINE.finditer(output)]
+
+
+@dataclass
+class Job:
+    """``torchrun`` agents of one run; start nodes with :meth:`add_node`, clean up with :meth:`cleanup`."""
+
+    endpoint: str
+    root: Path
+    nnodes: str = "1:3"
+    flags: Sequence[str] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+    torchrun_flags: Sequence[str] = ()
+    run_id: str = field(default_factory=lambda: f"job-{uuid.uuid4().hex[:8]}")
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / self.run_id
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
+            "--rdzv-backend=etcd", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+            *self.torchrun_flags,
+            str(RECIPE), f"--run.root={self.root}", f"--run.name={self.run_id}", *TINY, *self.flags,
+        ]  # fmt: skip
+
+    def add_node(self, command_prefix: Sequence[str] = ()) -> Node:
+        index = len(self.nodes)
+        node = start_node([*command_prefix, *self.command()], env(**self.extra_env), self.root / f"node{index}.log")
+        self.nodes.append(node)
+        return node
+
+    def output(self) -> str:
+        return "\n".join(node.output() for node in self.nodes)
+
+    def progress(self) -> list[tuple[int, int]]:
+        """(step, world size) lines of whichever node hosts rank 0, in log order per node."""
+        return [pair for node in self.nodes for pair in steps(node.output())]
+
+    def last_step(self) -> int:
+        seen = self.progress()
+        return max((s for s, _ in seen), default=0)
+
+    def wait_until(self, predicate, timeout: float, what: str):
+        try:
+            return wait_for(predicate, timeout, what=what)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n--- job output ---\n{self.output()[-6000:]}") from None
+
+    def wait_for_step(self, step: int, timeout: float = 180, world_size: int | None = None) -> None:
+        self.wait_until(
+            lambda: any(s >= step and (world_size is None or w == world_size) for s, w in self.progress()),
+            timeout, f"step {step}" + (f" at world size {world_size}" if world_size else ""),
+        )  # fmt: skip
+
+    def mark(self) -> list[int]:
+        """A position in every node's output; :meth:`output_since` returns what came after it."""
+        return [len(node.output()) for node in self.nodes]
+
+    def output_since(self, mark: list[int]) -> str:
+        return "\n".join(node.output()[mark[i] if i < len(mark) else 0 :] for i, node in enumerate(self.nodes))
+
+    def wait_for_training_since(self, mark: list[int], t0: float, world_size: int, timeout: float = 180) -> float:
+        """Seconds from ``t0`` (monotonic) until a step at ``world_size`` is logged after ``mark``."""
+        self.wait_until(
+            lambda: any(w == world_size for _, w in steps(self.output_since(mark))),
+            timeout, f"training at world size {world_size}",
+        )  # fmt: skip
+        return time.monotonic() - t0
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+
+
+def report(scenario: str, behaviour: str, recovery_s: float | None, steps_lost: int | None, **more) -> None:
+    """Print (and append to ``$ELASTIC_DDP_RELIABILITY_OUT``) one scenario's measured figures."""
+    record = {"scenario": scenario, "behaviour": behaviour, "recovery_s": recovery_s, "steps_lost": steps_lost, **more}
+    line = json.dumps(record)
+    print(f"RELIABILITY {line}")
+    out = os.environ.get(ENV_RELIABILITY_OUT)
+    if out:
+        with open(out, "a", encoding="utf-8") as file:
+            file.write(line + "\n")

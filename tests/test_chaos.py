@@ -1,0 +1,122 @@
+"""Chaos suite: what real clusters do to an elastic job, with real torchrun agents, etcd and storage.
+
+A "node" is one torchrun agent with its worker. Every scenario prints its measured recovery time
+and lost steps (``RELIABILITY {...}`` lines; ``python benchmarks/reliability.py`` collects them
+into docs/reliability.md). No timing is asserted: this machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers.job import Job, report, resumed_steps, steps
+
+pytestmark = pytest.mark.slow
+
+ENDLESS = "--train.max_steps=100000"
+
+
+@pytest.fixture
+def job(etcd_endpoint, tmp_path):
+    created: list[Job] = []
+
+    def make(**kwargs) -> Job:
+        kwargs.setdefault("endpoint", etcd_endpoint)
+        created.append(Job(root=tmp_path, **kwargs))
+        return created[-1]
+
+    try:
+        yield make
+    finally:
+        for each in created:
+            each.cleanup()
+
+
+def test_preempted_node_checkpoints_and_survivor_continues_with_zero_lost_steps(job):
+    j = job(flags=[ENDLESS, "--checkpoint.every_steps=1000"])
+    survivor, preempted = j.add_node(), j.add_node()
+    j.wait_for_step(5, world_size=2)
+    mark, t0 = j.mark(), time.monotonic()
+    preempted.terminate()  # what Kubernetes and Slurm send
+    recovery_s = j.wait_for_training_since(mark, t0, world_size=1)
+    after = j.output_since(mark)
+    last_before = max(s for s, w in steps(j.output()) if w == 2)
+    resumed = resumed_steps(after)
+    assert resumed, after[-4000:]
+    # The stop checkpoint is of the last step trained at world size 2: nothing is redone.
+    assert resumed[-1] == last_before, after[-4000:]
+    # A membership change, not a failure: the survivor's agent spent none of --max-restarts.
+    assert "attempts left" not in survivor.output()
+    assert "left round" in survivor.output()
+    preempted.wait(timeout=60)
+    report("preemption (SIGTERM to one node)", "stop checkpoint at the agreed step; survivor restarts at world size 1",
+           round(recovery_s, 1), last_before - resumed[-1])
+
+
+def test_node_joining_costs_no_progress(job):
+    j = job(flags=[ENDLESS, "--checkpoint.every_steps=1000"])
+    j.add_node(), j.add_node()
+    j.wait_for_step(5, world_size=2)
+    mark, t0 = j.mark(), time.monotonic()
+    j.add_node()
+    recovery_s = j.wait_for_training_since(mark, t0, world_size=3)
+    after = j.output_since(mark)
+    last_before = max(s for s, w in steps(j.output()) if w == 2)
+    resumed = resumed_steps(after)
+    assert resumed and resumed[-1] == last_before, after[-4000:]
+    assert "attempts left" not in j.output()  # membership changes spend no restarts
+    report("node joins", "stop checkpoint at the agreed step; all restart at world size 3",
+           round(recovery_s, 1), last_before - resumed[-1])
+
+
+def test_hard_node_loss_survivor_resumes_from_newest_checkpoint(job):
+    every = 5
+    j = job(flags=[ENDLESS, f"--checkpoint.every_steps={every}"])
+    j.add_node()
+    victim = j.add_node()
+    j.wait_for_step(12, world_size=2)
+    mark, t0 = j.mark(), time.monotonic()
+    victim.kill()  # SIGKILL of the agent and its workers: no chance to checkpoint
+    recovery_s = j.wait_for_training_since(mark, t0, world_size=1)
+    last_before = max(s for s, w in steps(j.output()) if w == 2)
+    resumed = resumed_steps(j.output_since(mark))
+    assert resumed, j.output_since(mark)[-4000:]
+    lost = last_before - resumed[-1]
+    # The save of step N runs in the background while steps N+1.. train, and the save of step
+    # N+every waits for it: the newest committed checkpoint is at most two intervals old.
+    assert 0 <= lost < 2 * every
+    report("hard node loss (SIGKILL of a node)", "survivor resumes from the newest committed checkpoint",
+           round(recovery_s, 1), lost, checkpoint_every=every)
+
+
+def test_orphaned_workers_exit_by_themselves_when_their_agent_dies(job):
+    from tests.helpers.nodes import descendants, wait_for
+
+    j = job(flags=[ENDLESS, "--checkpoint.every_steps=1000"])
+    j.add_node()
+    victim = j.add_node()
+    j.wait_for_step(5, world_size=2)
+    workers = descendants(victim.pid)
+    assert workers
+    t0 = time.monotonic()
+    victim.process.kill()  # only the agent: its workers are in a session of their own
+
+    def all_gone() -> bool:
+        return all(not _alive(pid) for pid in workers)
+
+    wait_for(all_gone, 30, what="the orphaned workers to exit")
+    exit_s = time.monotonic() - t0
+    mark = j.mark()
+    recovery_s = j.wait_for_training_since(mark, t0, world_size=1)
+    report("orphaned workers (agent SIGKILLed alone)", "workers notice the lost parent and exit",
+           round(exit_s, 1), None, survivor_training_again_s=round(recovery_s, 1))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
