@@ -29,6 +29,9 @@ ENV_MASTER_PORT = "MASTER_PORT"
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
 ENV_GROUP_RANK = "GROUP_RANK"
+ENV_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+# Set by this package's rendezvous handler in the agent, inherited by its workers.
+ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,19 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         timeout=timedelta(seconds=cfg.timeout_s),
         device_id=device if backend == "nccl" else None,
     )
+    restart_count = int(os.environ.get(ENV_RESTART_COUNT, "0"))
+    log.info(
+        "Rank %d of world size %d on %s (%s); torchrun restart %d of at most %s, rendezvous round %s.",
+        rank, world_size, device, backend, restart_count, os.environ.get(ENV_MAX_RESTARTS, "0"),
+        os.environ.get(ENV_RDZV_ROUND, "-"),
+    )  # fmt: skip
     return DistContext(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
         device=device,
         backend=backend,
-        restart_count=int(os.environ.get(ENV_RESTART_COUNT, "0")),
+        restart_count=restart_count,
         node_rank=int(os.environ.get(ENV_GROUP_RANK, "0")),
     )
 

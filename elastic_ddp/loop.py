@@ -17,8 +17,12 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +158,35 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.max_steps - cfg.warmup_steps, 1)
     progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def run_worker(main: Callable[[list[str]], int], argv: list[str]) -> NoReturn:
+    """Run a worker's ``main(argv)`` and exit with its status.
+
+    After an exception the traceback is printed and the process leaves at once (``os._exit``),
+    skipping interpreter cleanup: destroying a process group whose peer hangs can block forever
+    (gloo waits on the frozen peer's socket), and a failed worker must be gone for its agent to
+    restart the group.
+    """
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - every failure ends the same way: reported, then gone
+        traceback.print_exc()
+        code = 1
+        _flush_and_exit(code)
+    sys.exit(code)
+
+
+def _flush_and_exit(code: int) -> NoReturn:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def exit_when_orphaned(poll_s: float = 1.0) -> threading.Thread:

@@ -423,7 +423,9 @@ class TensorBoardMetrics(Metrics):
             final_loss=self._last_loss,
             wall_s=now - self._job_start_time,
             attempt_wall_s=now - self._start_time,
-            restarts=self._attempts - 1,
+            # Attempts that failed before creating their metrics left no trace in the progress
+            # record, but torchrun counted them; a resubmitted job restarts torchrun's count at 0.
+            restarts=max(self._attempts - 1, self.restart_count),
         )
         if self.cfg.console:
             print(line, flush=True)

@@ -36,10 +36,10 @@ from elastic_ddp.config import ConfigError, load_config
 from elastic_ddp.data import (
     ByteWindows, DataCursor, ElasticSampler, StepBatches, StepLedger, corpus_fingerprint, load_corpus,
 )  # fmt: skip
-from elastic_ddp.distributed import init_distributed, shutdown_distributed
+from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, shutdown_distributed
 from elastic_ddp.failures import FailureReport
 from elastic_ddp.logs import configure_logging
-from elastic_ddp.loop import StepAgreement, StopSignal, exit_when_orphaned, lr_at, wait_for_restart
+from elastic_ddp.loop import StepAgreement, StopSignal, exit_when_orphaned, lr_at, run_worker, wait_for_restart
 from elastic_ddp.metrics import create_metrics
 from elastic_ddp.model import ByteGPT, per_sample_loss
 
@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
     # SIGTERM now means "checkpoint at the next step boundary, then exit", within grace_s.
     stop_signal = StopSignal(grace_s=cfg.checkpoint.grace_s)
     exit_when_orphaned()  # if our torchrun agent dies, do not train on as a ghost
+    configure_logging("worker")
     ctx = init_distributed(cfg.dist)
     configure_logging(f"rank {ctx.rank}")
 
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> int:
     ledger = StepLedger(cfg.run.dir, rank=ctx.rank, world_size=ctx.world_size, resume_step=step, enabled=cfg.data.ledger)
     failures = FailureReport(
         cfg.run.dir, rank=ctx.rank, restart_count=ctx.restart_count,
-        max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+        max_restarts=int(os.environ.get(ENV_MAX_RESTARTS, "0")),
     )  # fmt: skip
     agreement = StepAgreement(ctx.device, stop_signal)
     tokens_per_sample = cfg.model.block_size
@@ -189,4 +190,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_worker(main, sys.argv[1:])  # after an exception: report, then leave without cleanup

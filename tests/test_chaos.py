@@ -48,7 +48,7 @@ def test_preempted_node_checkpoints_and_survivor_continues_with_zero_lost_steps(
     # The stop checkpoint is of the last step trained at world size 2: nothing is redone.
     assert resumed[-1] == last_before, after[-4000:]
     # A membership change, not a failure: the survivor's agent spent none of --max-restarts.
-    assert "attempts left" not in survivor.output()
+    assert "torchrun restart 1 of" not in survivor.output()
     assert "left round" in survivor.output()
     preempted.wait(timeout=60)
     report("preemption (SIGTERM to one node)", "stop checkpoint at the agreed step; survivor restarts at world size 1",
@@ -66,7 +66,7 @@ def test_node_joining_costs_no_progress(job):
     last_before = max(s for s, w in steps(j.output()) if w == 2)
     resumed = resumed_steps(after)
     assert resumed and resumed[-1] == last_before, after[-4000:]
-    assert "attempts left" not in j.output()  # membership changes spend no restarts
+    assert "torchrun restart 1 of" not in j.output()  # membership changes spend no restarts
     report("node joins", "stop checkpoint at the agreed step; all restart at world size 3",
            round(recovery_s, 1), last_before - resumed[-1])
 
@@ -120,3 +120,59 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ")[-1][0] != "Z"
     except OSError:
         return False
+
+
+def test_worker_exception_restarts_the_group_which_resumes(job):
+    j = job(flags=[ENDLESS, "--checkpoint.every_steps=5"], extra_env={"ELASTIC_DDP_FAULT": "raise@12:rank=1:restart=0"})
+    j.add_node(), j.add_node()
+    j.wait_for_step(11, world_size=2)
+    mark, t0 = j.mark(), time.monotonic()
+    j.wait_until(lambda: "InjectedFault" in j.output(), 120, "the injected failure")
+    recovery_s = j.wait_for_training_since(mark, t0, world_size=2)
+    resumed = resumed_steps(j.output_since(mark))
+    assert resumed and resumed[-1] <= 11
+    assert "torchrun restart 1 of at most 3" in j.output()  # a failure spends one of --max-restarts
+    j.wait_for_step(14, world_size=2)
+    report("worker crash (exception, once)", "group restarts and resumes from the newest checkpoint",
+           round(recovery_s, 1), 11 - resumed[-1])
+
+
+def test_crash_recurring_at_the_same_step_stops_after_the_budget_with_one_clear_error(job):
+    j = job(
+        nnodes="1", flags=[ENDLESS, "--checkpoint.every_steps=5"],
+        extra_env={"ELASTIC_DDP_FAULT": "raise@8:rank=0"}, torchrun_flags=["--max-restarts=2"],
+    )  # fmt: skip
+    node = j.add_node()
+    code = node.wait(timeout=240)
+    output = node.output()
+    assert code != 0
+    # Every attempt resumed from step 5 and died at step 8: three attempts for --max-restarts=2.
+    assert output.count("InjectedFault: injected failure at step 8") >= 3
+    assert "RecurringFailureError: Step 8 failed in all 3 attempts with the same error" in output
+    assert "--max-restarts=2 is spent" in output
+    report("worker crash recurring at the same step", "stops after --max-restarts with one clear final error",
+           None, None)
+
+
+def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_recovers(job):
+    import os
+    import signal
+
+    from tests.helpers.nodes import descendants
+
+    timeout_s = 10
+    j = job(flags=[ENDLESS, "--checkpoint.every_steps=5", f"--dist.timeout_s={timeout_s}"])
+    j.add_node()
+    frozen_node = j.add_node()
+    j.wait_for_step(8, world_size=2)
+    worker = descendants(frozen_node.pid)[0]
+    mark, t0 = j.mark(), time.monotonic()
+    os.kill(worker, signal.SIGSTOP)  # a rank that stops making progress without dying
+    j.wait_until(lambda: "Traceback" in j.output_since(mark), timeout_s + 60, "the hang to be detected")
+    detected_s = time.monotonic() - t0
+    recovery_s = j.wait_for_training_since(mark, t0, world_size=2, timeout=180)
+    resumed = resumed_steps(j.output_since(mark))
+    assert resumed
+    # The frozen worker ignores SIGTERM: torchrun's restart path waits a fixed 30 s before SIGKILL.
+    report("hang (SIGSTOP of one rank)", f"collective timeout ({timeout_s} s) breaks the group; it re-forms",
+           round(recovery_s, 1), None, detected_s=round(detected_s, 1), dist_timeout_s=timeout_s)

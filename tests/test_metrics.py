@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import fsspec
 import pytest
@@ -340,6 +344,19 @@ def test_summary_line_reports_steps_loss_wall_time_and_restarts():
     )
 
 
+def test_summary_counts_restarts_of_attempts_that_never_logged_and_of_earlier_jobs(tmp_path):
+    with start_attempt(tmp_path, restart_count=0) as first:
+        first.log_step(10, {"train/loss": 1.0})
+    # torchrun's restart 1 failed before it created its metrics; restart 2 is the next to log.
+    with start_attempt(tmp_path, resume_step=10, restart_count=2) as third:
+        third.log_step(11, {"train/loss": 1.0})
+        assert third.summary().endswith(" restarts=2")
+    # The job resubmitted: torchrun counts from 0 again, the progress record knows 2 attempts.
+    with start_attempt(tmp_path, resume_step=11, restart_count=0) as resubmitted:
+        resubmitted.log_step(12, {"train/loss": 1.0})
+        assert resubmitted.summary().endswith(" restarts=2")
+
+
 def test_tensorboard_subcommand_is_registered_with_defaults():
     parser = argparse.ArgumentParser(prog="elastic-ddp")
     add_parser(parser.add_subparsers(dest="command"))
@@ -378,9 +395,54 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def get_json(url: str):
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.loads(response.read())
+@contextlib.contextmanager
+def tensorboard_server(logdir, load_fast: str) -> Iterator[Callable[[str, dict[str, str]], Any]]:
+    """TensorBoard serving ``logdir`` on a free port; yields ``get(route, query)`` -> parsed JSON.
+
+    ``get`` raises ``urllib.error.URLError`` or ``ConnectionError`` while the server is not
+    listening or lacks the data asked for, and fails the test if the server has exited.
+    """
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
+         "--port", str(port), "--host", "127.0.0.1", f"--load_fast={load_fast}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+    def get(route: str, query: dict[str, str]) -> Any:
+        assert process.poll() is None, process.stderr.read().decode()
+        url = f"http://127.0.0.1:{port}/data/plugin/{route}?{urllib.parse.urlencode(query)}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.loads(response.read())
+
+    try:
+        yield get
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        process.stderr.close()
+
+
+def fetch_when_served(fetch: Callable[[], dict[str, Any]], done: Callable[[dict[str, Any]], bool],
+                      timeout: float = 60.0) -> dict[str, Any]:
+    """Call ``fetch`` until ``done(result)`` or ``timeout`` s; the last complete result (or {}).
+
+    A server still starting or still loading the event files answers with connection or HTTP
+    errors; those count as "not yet". The caller asserts on what it got, so a server that never
+    serves the data fails there with the data in the message.
+    """
+    deadline = time.monotonic() + timeout
+    result: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            result = fetch()
+            if done(result):
+                break
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.2)  # poll interval, bounded by the deadline
+    return result
 
 
 # Both of TensorBoard's loaders: the Rust data server (default when installed) and the Python
@@ -388,41 +450,28 @@ def get_json(url: str):
 # differently: the Python one ignores the first session START of a run.
 @pytest.mark.parametrize("load_fast", ["true", "false"])
 def test_tensorboard_server_serves_unique_increasing_steps(restarted_run, load_fast):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(restarted_run),
-         "--port", str(port), "--host", "127.0.0.1", f"--load_fast={load_fast}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    base = f"http://127.0.0.1:{port}/data/plugin"
-    try:
-        deadline = time.monotonic() + 60.0
-        tags, points, config, events = {}, [], [], []
-        while time.monotonic() < deadline:
-            assert process.poll() is None, process.stderr.read().decode()
-            try:
-                tags = get_json(f"{base}/scalars/tags")
-                if "train/loss" in tags.get("tb", {}):
-                    points = get_json(f"{base}/scalars/scalars?run=tb&tag=train/loss")
-                    config = get_json(f"{base}/text/text?run=tb&tag=config/text_summary")
-                    events = get_json(f"{base}/text/text?run=tb&tag=events/text_summary")
-                    if len(points) >= 40 and len(config) >= 2 and events:
-                        break
-            except (urllib.error.URLError, ConnectionError):
-                pass  # not listening or not loaded yet
-            time.sleep(0.2)  # poll interval, bounded by the deadline
-        # Each point is [wall_time, step, value].
-        assert [step for _, step, _ in points] == list(range(1, 41))
-        assert [value for _, _, value in points] == (
-            [100.0 + step for step in range(1, 21)] + [200.0 + step for step in range(21, 41)]
+    with tensorboard_server(restarted_run, load_fast) as get:
+
+        def fetch() -> dict[str, Any]:
+            tags = get("scalars/tags", {}).get("tb", {})
+            return {
+                "tags": tags,
+                "loss": get("scalars/scalars", {"run": "tb", "tag": "train/loss"}),
+                "config": get("text/text", {"run": "tb", "tag": "config/text_summary"}),
+                "events": get("text/text", {"run": "tb", "tag": "events/text_summary"}),
+            }
+
+        served = fetch_when_served(
+            fetch, lambda got: len(got["loss"]) >= 40 and len(got["config"]) >= 2 and got["events"]
         )
-        assert {"elastic/world_size", "elastic/restart_count", "elastic/recovery_s"} <= set(tags["tb"])
-        assert [entry["step"] for entry in config] == [1, 21]
-        # The failed attempt's event at step 26 is purged; the recovery event at 21 stays.
-        assert [entry["step"] for entry in events] == [21]
-        assert "Failure recovered" in events[0]["text"]
-    finally:
-        process.kill()
-        process.wait(timeout=10)
-        process.stderr.close()
+    assert served, "TensorBoard never served the run's train/loss, config and events"
+    # Each point is [wall_time, step, value].
+    assert [step for _, step, _ in served["loss"]] == list(range(1, 41))
+    assert [value for _, _, value in served["loss"]] == (
+        [100.0 + step for step in range(1, 21)] + [200.0 + step for step in range(21, 41)]
+    )
+    assert {"elastic/world_size", "elastic/restart_count", "elastic/recovery_s"} <= set(served["tags"])
+    assert [entry["step"] for entry in served["config"]] == [1, 21]
+    # The failed attempt's event at step 26 is purged; the recovery event at 21 stays.
+    assert [entry["step"] for entry in served["events"]] == [21]
+    assert "Failure recovered" in served["events"][0]["text"]

@@ -49,7 +49,7 @@ __all__ = ["ENV_RDZV_ROUND", "ElasticRendezvousHandler", "OutageTolerantStateHol
 
 log = logging.getLogger(__name__)
 
-ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"
+ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"  # also named in elastic_ddp.distributed
 
 
 class OutageTolerantStateHolder(_BackendRendezvousStateHolder):

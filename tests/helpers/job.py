@@ -112,11 +112,18 @@ class Job:
         return "\n".join(node.output()[mark[i] if i < len(mark) else 0 :] for i, node in enumerate(self.nodes))
 
     def wait_for_training_since(self, mark: list[int], t0: float, world_size: int, timeout: float = 180) -> float:
-        """Seconds from ``t0`` (monotonic) until a step at ``world_size`` is logged after ``mark``."""
-        self.wait_until(
-            lambda: any(w == world_size for _, w in steps(self.output_since(mark))),
-            timeout, f"training at world size {world_size}",
-        )  # fmt: skip
+        """Seconds from ``t0`` (monotonic) until, after ``mark``, the workers resumed from a checkpoint
+        and logged a step at ``world_size``."""
+
+        def trained_after_resume() -> bool:
+            for node, start in zip(self.nodes, [*mark, *[0] * len(self.nodes)]):
+                text = node.output()[start:]
+                resumed = list(RESUMED_LINE.finditer(text))
+                if resumed and any(w == world_size for _, w in steps(text[resumed[-1].end() :])):
+                    return True
+            return False
+
+        self.wait_until(trained_after_resume, timeout, f"a resume and training at world size {world_size}")
         return time.monotonic() - t0
 
     def cleanup(self) -> None:
