@@ -7,6 +7,7 @@ into docs/reliability.md). No timing is asserted: this machine is shared and noi
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from tests.helpers.job import Job, report, resumed_steps, steps
 pytestmark = pytest.mark.slow
 
 ENDLESS = "--train.max_steps=100000"
+COMMITTED_LINE = re.compile(r"Checkpoint committed at (\S+):")
 
 
 @pytest.fixture
@@ -94,10 +96,11 @@ def test_hard_node_loss_survivor_resumes_from_newest_checkpoint(job):
 def test_orphaned_workers_exit_by_themselves_when_their_agent_dies(job):
     from tests.helpers.nodes import descendants, wait_for
 
-    j = job(flags=[ENDLESS, "--checkpoint.every_steps=1000"])
+    # A lost agent gets no stop checkpoint: the survivor resumes from a periodic one.
+    j = job(flags=[ENDLESS, "--checkpoint.every_steps=5"])
     j.add_node()
     victim = j.add_node()
-    j.wait_for_step(5, world_size=2)
+    j.wait_for_step(12, world_size=2)
     workers = descendants(victim.pid)
     assert workers
     t0 = time.monotonic()
@@ -176,3 +179,78 @@ def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_rec
     # The frozen worker ignores SIGTERM: torchrun's restart path waits a fixed 30 s before SIGKILL.
     report("hang (SIGSTOP of one rank)", f"collective timeout ({timeout_s} s) breaks the group; it re-forms",
            round(recovery_s, 1), None, detected_s=round(detected_s, 1), dist_timeout_s=timeout_s)
+
+
+@pytest.fixture
+def own_etcd(tmp_path):
+    """An etcd of this test alone (it is stopped and killed on purpose)."""
+    from elastic_ddp.etcd_server import EtcdServer
+
+    server = EtcdServer(tmp_path / "own-etcd")
+    server.start(timeout=30)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_training_goes_on_through_a_30_s_etcd_outage_and_membership_changes_after_it(job, own_etcd):
+    j = job(endpoint=own_etcd.endpoint, flags=[ENDLESS, "--checkpoint.every_steps=1000"])
+    j.add_node(), j.add_node()
+    j.wait_for_step(5, world_size=2)
+    own_etcd.stop()
+    down_at = j.last_step()
+    time.sleep(30)
+    during = j.last_step()
+    own_etcd.start(timeout=30)
+    # Heartbeats could not be written for 30 s; nobody may be declared dead for that.
+    time.sleep(6)
+    assert during > down_at + 5, "training stalled while etcd was down"
+    assert "torchrun restart 1 of" not in j.output()
+    assert resumed_steps(j.output()) == [], "the workers were restarted because of the outage"
+    mark, t0 = j.mark(), time.monotonic()
+    j.add_node()
+    recovery_s = j.wait_for_training_since(mark, t0, world_size=3)
+    report("etcd outage (30 s) during training", "training goes on; a node joins after etcd is back",
+           0.0, 0, steps_during_outage=during - down_at, join_after_outage_s=round(recovery_s, 1))
+
+
+def test_rendezvous_continues_through_a_3_member_etcd_cluster_with_one_member_killed(job, tmp_path):
+    from elastic_ddp.etcd_server import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path / "cluster", n=3).start()
+    try:
+        j = job(endpoint=cluster.endpoints, flags=[ENDLESS, "--checkpoint.every_steps=1000"])
+        j.add_node(), j.add_node()
+        j.wait_for_step(5, world_size=2)
+        cluster.members[0].kill()  # the first endpoint every client tries
+        mark, t0 = j.mark(), time.monotonic()
+        j.add_node()
+        recovery_s = j.wait_for_training_since(mark, t0, world_size=3)
+        report("etcd member lost (3-member cluster)", "rendezvous fails over to the other members; a node joins",
+               round(recovery_s, 1), 0)
+    finally:
+        cluster.stop()
+
+
+def test_storage_outage_during_an_async_save_fails_that_save_and_a_later_one_succeeds(job, s3_server, s3_url):
+    j = job(nnodes="1", flags=[ENDLESS, "--checkpoint.every_steps=20", "--checkpoint.keep_last=1000", f"--checkpoint.url={s3_url}"])
+    node = j.add_node()
+    j.wait_until(lambda: "Checkpoint committed" in node.output(), 180, "a first committed checkpoint on S3")
+    mark = j.mark()
+    s3_server.stop()
+    before_outage = COMMITTED_LINE.findall(node.output())[-1]
+    try:
+        j.wait_until(lambda: "failed" in j.output_since(mark) and "checkpoint of step" in j.output_since(mark),
+                     180, "a save to fail while S3 is down")  # fmt: skip
+        failed_at = j.last_step()
+        j.wait_for_step(failed_at + 5)  # training goes on
+    finally:
+        s3_server.start()
+    after = j.mark()
+    j.wait_until(lambda: "Checkpoint committed" in j.output_since(after), 180, "a save to succeed after S3 is back")
+    from elastic_ddp.checkpoint import cli as ckpt_cli
+
+    assert ckpt_cli.main(["ckpt", "verify", before_outage]) == 0  # the newest one before the outage is intact
+    report("storage outage (S3 down during an async save)",
+           "that save fails and is reported; training goes on; the next save commits", None, 0)
