@@ -45,6 +45,7 @@ class DistContext:
     backend: str
     restart_count: int
     node_rank: int
+    rdzv_round: int | None = None  # None when the agent's rendezvous is not this package's
 
     @property
     def is_main(self) -> bool:
@@ -111,6 +112,7 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         backend=backend,
         restart_count=restart_count,
         node_rank=int(os.environ.get(ENV_GROUP_RANK, "0")),
+        rdzv_round=int(os.environ[ENV_RDZV_ROUND]) if os.environ.get(ENV_RDZV_ROUND, "").isdigit() else None,
     )
 
 

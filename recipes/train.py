@@ -72,9 +72,11 @@ def main(argv: list[str]) -> int:
     sampler = ElasticSampler(len(windows), cfg.train.global_batch_size, cfg.train.seed)
 
     # Resume from the newest committed, verified checkpoint, whatever world size wrote it.
+    # The rendezvous round fences commits: a group the job re-formed without cannot commit any more.
     checkpoints = CheckpointManager(
-        cfg.checkpoint, config_digest=cfg.model_digest(), model_config=cfg.model.model_dump()
-    )
+        cfg.checkpoint, config_digest=cfg.model_digest(), model_config=cfg.model.model_dump(),
+        rdzv_round=ctx.rdzv_round,
+    )  # fmt: skip
     step, cursor = 0, DataCursor(epoch=0, consumed=0)
     resumed = checkpoints.resolve(cfg.checkpoint.resume)
     fingerprint = corpus_fingerprint(corpus)

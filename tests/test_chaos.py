@@ -7,6 +7,7 @@ into docs/reliability.md). No timing is asserted: this machine is shared and noi
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -254,3 +255,109 @@ def test_storage_outage_during_an_async_save_fails_that_save_and_a_later_one_suc
     assert ckpt_cli.main(["ckpt", "verify", before_outage]) == 0  # the newest one before the outage is intact
     report("storage outage (S3 down during an async save)",
            "that save fails and is reported; training goes on; the next save commits", None, 0)
+
+
+class Link:
+    """A veth pair between this network namespace ("A" side) and a namespace of its own ("B" side)."""
+
+    def __init__(self) -> None:
+        import random
+        import uuid
+
+        tag = uuid.uuid4().hex[:6]
+        self.netns, self.veth_a, self.veth_b = f"eddp-{tag}", f"ed{tag}a", f"ed{tag}b"
+        subnet = f"10.{random.randint(100, 250)}.{random.randint(0, 255)}"
+        # B's address sorts first, so B's agent gets group rank 0 (torch sorts nodes by address).
+        self.addr_b, self.addr_a = f"{subnet}.1", f"{subnet}.2"
+        self._ip("netns", "add", self.netns)
+        self._ip("link", "add", self.veth_a, "type", "veth", "peer", "name", self.veth_b)
+        self._ip("link", "set", self.veth_b, "netns", self.netns)
+        self._ip("addr", "add", f"{self.addr_a}/24", "dev", self.veth_a)
+        self._ip("link", "set", self.veth_a, "up")
+        for args in (("addr", "add", f"{self.addr_b}/24", "dev", self.veth_b), ("link", "set", self.veth_b, "up"),
+                     ("link", "set", "lo", "up")):  # fmt: skip
+            self._ip("-n", self.netns, *args)
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        import subprocess
+
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def prefix_b(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns]
+
+    def cut(self) -> None:
+        self._ip("link", "set", self.veth_a, "down")
+
+    def heal(self) -> None:
+        self._ip("link", "set", self.veth_a, "up")
+
+    def remove(self) -> None:
+        import subprocess
+
+        subprocess.run(["ip", "netns", "delete", self.netns], capture_output=True)
+        subprocess.run(["ip", "link", "delete", self.veth_a], capture_output=True)
+
+
+@pytest.fixture
+def link():
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2 (CI runs as root)")
+    made = Link()
+    try:
+        yield made
+    finally:
+        made.remove()
+
+
+def test_partitioned_node_is_replaced_and_cannot_commit_as_a_stale_writer(job, link, tmp_path):
+    """Node B is cut off, not killed, with a save of step 10 gathered but not yet committed and its
+    training thread stuck (so nothing makes it exit). A recovers alone; B's late commit is fenced."""
+    from elastic_ddp.etcd_server import EtcdServer
+
+    every, timeout_s = 10, 10
+    etcd = EtcdServer(tmp_path / "etcd-on-link", host=link.addr_a)
+    etcd.start(timeout=30)
+    release = tmp_path / "release-the-stale-commit"
+    try:
+        j = job(endpoint=etcd.endpoint, flags=[ENDLESS, f"--checkpoint.every_steps={every}", f"--dist.timeout_s={timeout_s}"])
+        node_b = j.add_node(
+            command_prefix=link.prefix_b(),
+            torchrun_flags=[f"--local-addr={link.addr_b}"],
+            extra_env={"GLOO_SOCKET_IFNAME": link.veth_b,
+                       "ELASTIC_DDP_CHECKPOINT_FAULT_POINT": f"before_manifest:0:wait={release}",
+                       "ELASTIC_DDP_FAULT": f"hang@{every + 1}:rank=0:restart=0"},
+        )  # fmt: skip
+        node_a = j.add_node(torchrun_flags=[f"--local-addr={link.addr_a}"], extra_env={"GLOO_SOCKET_IFNAME": link.veth_a})
+        j.wait_until(lambda: "holding this save" in node_b.output(), 180, "B to hold its save of step 10")
+        assert "Rank 0 of world size 2" in node_b.output()
+        mark, t0 = j.mark(), time.monotonic()
+        link.cut()
+        step_dir = j.run_dir / "checkpoints" / f"step-{every:09d}"
+        # A detects the loss within dist.timeout_s, re-forms alone and saves step 10 itself.
+        j.wait_until(lambda: any(w == 1 for _, w in steps(j.output_since(mark))), 180, "A to train alone")
+        recovery_s = time.monotonic() - t0
+        j.wait_until(lambda: f"Checkpoint committed at {step_dir}" in node_a.output(), 180, "A's commit of step 10")
+        release.touch()  # B's save thread wakes and tries to commit into the run
+        j.wait_until(lambda: "stale writer" in node_b.output(), 60, "B's refused commit")
+        from elastic_ddp.checkpoint import cli as ckpt_cli
+
+        # Every committed checkpoint after the cut is A's (retention may have removed step 10 by now).
+        for manifest_path in sorted((j.run_dir / "checkpoints").glob("step-*/manifest.json")):
+            manifest = json.loads(manifest_path.read_text())
+            assert manifest["step"] < every or (manifest["world_size"] == 1 and manifest["rdzv_round"] > 0), manifest
+            assert ckpt_cli.main(["ckpt", "verify", str(manifest_path.parent)]) == 0
+        heal_mark, t1 = j.mark(), time.monotonic()
+        link.heal()
+        rejoin_s = j.wait_for_training_since(heal_mark, t1, world_size=2)
+        report("network partition (one node cut off)",
+               "others re-form after dist.timeout_s; the cut-off node's late commit is fenced; it rejoins on heal",
+               round(recovery_s, 1), every, dist_timeout_s=timeout_s, rejoin_after_heal_s=round(rejoin_s, 1))  # fmt: skip
+    finally:
+        for each in j.nodes if "j" in locals() else []:
+            each.cleanup()
+        etcd.stop()

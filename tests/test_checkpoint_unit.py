@@ -13,6 +13,8 @@ import torch
 
 from elastic_ddp.checkpoint import (
     ENV_CHECKPOINT_KEY,
+    ENV_FAULT_POINT,
+    FENCE_NAME,
     CheckpointError,
     CheckpointManager,
     ConfigMismatchError,
@@ -21,13 +23,19 @@ from elastic_ddp.checkpoint import (
 from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.checkpoint.dcp_io import HostStager
 from elastic_ddp.config import CheckpointConfig
+from tests.helpers.nodes import wait_for
 
 MODEL_CONFIG = {"n_layer": 2, "n_embd": 8}
 
 
-def manager(url: str, digest: str = "digest-1", model_config: dict | None = None, **cfg) -> CheckpointManager:
+def manager(
+    url: str, digest: str = "digest-1", model_config: dict | None = None, rdzv_round: int | None = None, **cfg
+) -> CheckpointManager:
     return CheckpointManager(
-        CheckpointConfig(url=url, **cfg), config_digest=digest, model_config=model_config or MODEL_CONFIG
+        CheckpointConfig(url=url, **cfg),
+        config_digest=digest,
+        model_config=model_config or MODEL_CONFIG,
+        rdzv_round=rdzv_round,
     )
 
 
@@ -321,3 +329,48 @@ def test_elastic_ddp_ckpt_commands_run_through_the_top_level_cli(tmp_path) -> No
     out = tmp_path / "w.pt"
     assert subprocess.run([*run, "export", url, str(out)], capture_output=True, timeout=60).returncode == 0
     assert set(torch.load(out, weights_only=True)) == set(model.state_dict())
+
+
+def test_a_group_fenced_by_a_newer_round_neither_clears_nor_commits(tmp_path, monkeypatch) -> None:
+    root = tmp_path / "ckpts"
+    model, opt = tiny()
+    stale = manager(str(root), rdzv_round=3)
+    save_steps(stale, model, opt, [1])
+    assert json.loads((root / FENCE_NAME).read_text())["round"] == 3
+    # The job re-formed without the stale group: the new group claims the run at its start.
+    current = manager(str(root), rdzv_round=4)
+    in_flight = root / "step-000000002"
+    in_flight.mkdir()
+    (in_flight / "__0_0.distcp").write_bytes(b"the new group's save in progress")
+
+    train(model, opt)
+    stale.save(2, model=model, optimizer=opt)
+    assert not stale.wait()
+    assert "stale writer" in stale.last_error and "round 4" in stale.last_error
+    assert (in_flight / "__0_0.distcp").read_bytes() == b"the new group's save in progress"
+    assert [c.step for c in current.list()] == [1]
+
+    save_steps(current, model, opt, [2])
+    assert [(c.step, c.manifest["rdzv_round"]) for c in current.list()] == [(1, 3), (2, 4)]
+
+
+def test_a_writer_held_before_its_commit_while_a_newer_group_claims_the_run_does_not_commit(tmp_path, monkeypatch) -> None:
+    root, release = tmp_path / "ckpts", tmp_path / "release"
+    model, opt = tiny()
+    stale = manager(str(root), rdzv_round=0)
+    monkeypatch.setenv(ENV_FAULT_POINT, f"before_manifest:0:wait={release}")
+    stale.save(5, model=model, optimizer=opt)  # async: held in the background before the manifest
+    wait_for(lambda: (root / "step-000000005" / ".metadata").exists(), 30, what="the shards of step 5")
+    manager(str(root), rdzv_round=1)
+    release.touch()
+    assert not stale.wait()
+    assert "Refusing to commit" in stale.last_error
+    assert stale.list() == []
+
+
+def test_without_a_rendezvous_round_nothing_is_fenced(tmp_path) -> None:
+    root = tmp_path / "ckpts"
+    model, opt = tiny()
+    save_steps(manager(str(root)), model, opt, [1])
+    assert not (root / FENCE_NAME).exists()
+    assert "rdzv_round" not in manager(str(root)).list()[0].manifest

@@ -4,6 +4,7 @@ See docs/checkpoints.md for the layout, the commit protocol and the measured cos
 """
 
 from elastic_ddp.checkpoint.dcp_io import ENV_FAULT_POINT, CheckpointVerificationError
+from elastic_ddp.checkpoint.fence import FENCE_NAME, StaleWriterError
 from elastic_ddp.checkpoint.manager import (
     CheckpointError,
     CheckpointInfo,
@@ -21,6 +22,7 @@ from elastic_ddp.checkpoint.storage import Storage, StorageError
 __all__ = [
     "ENV_CHECKPOINT_KEY",
     "ENV_FAULT_POINT",
+    "FENCE_NAME",
     "MANIFEST_NAME",
     "CheckpointError",
     "CheckpointInfo",
@@ -29,6 +31,7 @@ __all__ = [
     "ConfigMismatchError",
     "ManifestError",
     "SaveStats",
+    "StaleWriterError",
     "Storage",
     "StorageError",
     "VerifyResult",

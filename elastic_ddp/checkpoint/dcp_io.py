@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import pickle
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,10 +34,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.storage import basename
 
-# Test-only fault injection: "POINT:RANK" makes that rank SIGKILL itself at POINT of a save.
+# Test-only fault injection: "POINT:RANK" makes that rank SIGKILL itself at POINT of a save;
+# "POINT:RANK:wait=PATH" holds it there until PATH exists (a writer delayed across a failure).
 # Points: before_write, mid_write (after the first bytes of a data file), after_write,
-# before_manifest (rank 0 only, all shards durable). Unset in normal runs: a no-op string compare.
+# before_manifest (rank 0 only, all shards durable). Unset in normal runs: a no-op lookup.
 ENV_FAULT_POINT = "ELASTIC_DDP_CHECKPOINT_FAULT_POINT"
+
+log = logging.getLogger(__name__)
 
 METADATA_NAME = ".metadata"
 
@@ -54,9 +59,19 @@ def describe_error(exc: BaseException) -> str:
 
 
 def fault_point(name: str, rank: int) -> None:
-    """SIGKILL this process if :data:`ENV_FAULT_POINT` names ``name`` for ``rank`` (tests only)."""
-    if os.environ.get(ENV_FAULT_POINT) == f"{name}:{rank}":
+    """Act on :data:`ENV_FAULT_POINT` if it names ``name`` for ``rank`` (tests only)."""
+    text = os.environ.get(ENV_FAULT_POINT)
+    if not text:
+        return
+    point, _, wait = text.partition(":wait=")
+    if point != f"{name}:{rank}":
+        return
+    if not wait:
         os.kill(os.getpid(), signal.SIGKILL)
+    if not os.path.exists(wait):
+        log.warning("Fault point %s: holding this save until %s exists.", point, wait)
+        while not os.path.exists(wait):
+            time.sleep(0.1)
 
 
 class CheckpointVerificationError(RuntimeError):

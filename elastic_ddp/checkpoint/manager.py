@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from elastic_ddp.checkpoint import fence
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.dcp_io import (
     DCP_ERRORS,
@@ -108,6 +109,7 @@ class CheckpointInfo:
             "config_digest": self.config_digest,
             "versions": self.manifest.get("versions", {}),
             "signed": "signature" in self.manifest,
+            "rdzv_round": self.manifest.get("rdzv_round"),
         }
 
 
@@ -203,6 +205,9 @@ class CheckpointManager:
     by :meth:`resolve` and :meth:`load`. ``model_config`` (optional) is recorded too, so a refusal
     can name the differing fields. ``process_group``: the group whose ranks share the checkpoint
     (default: the world); the manager creates a gloo group of its own over those ranks, collectively.
+    ``rdzv_round``: the rendezvous round this worker group was formed in; when given, rank 0 claims
+    the URL for this round and refuses to commit once a newer group claimed it (see
+    :mod:`elastic_ddp.checkpoint.fence`). None: no fencing (a job without this package's rendezvous).
     """
 
     def __init__(
@@ -212,6 +217,7 @@ class CheckpointManager:
         config_digest: str,
         model_config: dict[str, Any] | None = None,
         process_group: Any = None,
+        rdzv_round: int | None = None,
     ) -> None:
         if not cfg.url:
             raise ValueError("checkpoint.url must not be empty when a CheckpointManager is built.")
@@ -241,6 +247,9 @@ class CheckpointManager:
         self.last_save: SaveStats | None = None
         self._last_ok = True
         self._closed = False
+        self.rdzv_round = rdzv_round
+        if rdzv_round is not None and self.rank == 0:
+            fence.claim(self.storage, rdzv_round)
 
     # ----------------------------------------------------------------------------------- saving
 
@@ -307,7 +316,8 @@ class CheckpointManager:
             self.failed_saves += 1
             self.last_error = f"The checkpoint of step {step} at {ckpt_url!r} failed: {describe_error(exc)}"
             log.error("[%d/%d] %s", self.rank, step, self.last_error)
-            if self.rank == 0:
+            # A fenced group leaves the directory alone: the group that owns the run may be writing it.
+            if self.rank == 0 and not isinstance(exc, fence.StaleWriterError):
                 self._remove_uncommitted(ckpt_url, step)
             self._last_ok = False
             return False
@@ -356,9 +366,21 @@ class CheckpointManager:
             raise CheckpointError(outcome)
         return int(outcome)
 
+    def _check_fence(self, action: str) -> None:
+        if self.rdzv_round is None:
+            return
+        try:
+            fence.check(self.storage, self.rdzv_round, action)
+        except fence.StaleWriterError as exc:
+            # Said at once: telling the other ranks may block for checkpoint.timeout_s when the
+            # group is gone, which is exactly when a writer is stale.
+            log.error("[%d/-] %s", self.rank, exc)
+            raise
+
     def _preflight(self, ckpt_url: str) -> str:
         if self.storage.exists(join(ckpt_url, mf.MANIFEST_NAME)):
             return "committed"
+        self._check_fence(f"clear {ckpt_url} for a new save")
         self.storage.remove_tree(ckpt_url)
         return "write"
 
@@ -390,8 +412,10 @@ class CheckpointManager:
             config_digest=self.config_digest,
             model_config=self.model_config,
             files=files,
+            rdzv_round=self.rdzv_round,
         )
         fault_point("before_manifest", self.rank)
+        self._check_fence(f"commit {ckpt_url}")
         data = json.dumps(manifest, sort_keys=True, indent=1).encode()
         self.storage.write_bytes_atomic(join(ckpt_url, mf.MANIFEST_NAME), data)
         return manifest["bytes"]
@@ -575,7 +599,7 @@ class CheckpointManager:
                 value = fn(*args)
             except DCP_ERRORS as exc:  # shipped to every rank so all of them fail the same way
                 # Client exceptions may not pickle; a CheckpointError carrying the message always does.
-                value = exc if isinstance(exc, CheckpointError) else CheckpointError(describe_error(exc))
+                value = exc if isinstance(exc, (CheckpointError, fence.StaleWriterError)) else CheckpointError(describe_error(exc))
         if self._distributed:
             box = [value]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)

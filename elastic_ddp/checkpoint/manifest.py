@@ -125,8 +125,13 @@ def build(
     config_digest: str,
     model_config: dict[str, Any] | None,
     files: list[FileRecord],
+    rdzv_round: int | None = None,
 ) -> dict[str, Any]:
-    """The manifest dict for a checkpoint (signed when a key is set). ``files`` must be every file."""
+    """The manifest dict for a checkpoint (signed when a key is set). ``files`` must be every file.
+
+    ``rdzv_round``: the rendezvous round of the group that committed it (None outside one), for
+    the record: which group wrote what is then visible in ``elastic-ddp ckpt list --json``.
+    """
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
@@ -139,6 +144,8 @@ def build(
         "bytes": sum(f.size for f in files),
         "files": {f.name: f.to_json() for f in sorted(files, key=lambda f: f.name)},
     }
+    if rdzv_round is not None:
+        manifest["rdzv_round"] = rdzv_round
     key = signing_key()
     return sign(manifest, key) if key is not None else manifest
 

@@ -66,18 +66,23 @@ class Job:
     def run_dir(self) -> Path:
         return self.root / self.run_id
 
-    def command(self) -> list[str]:
+    def command(self, torchrun_flags: Sequence[str] = ()) -> list[str]:
         return [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
             "--rdzv-backend=etcd", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
-            *self.torchrun_flags,
+            *self.torchrun_flags, *torchrun_flags,
             str(RECIPE), f"--run.root={self.root}", f"--run.name={self.run_id}", *TINY, *self.flags,
         ]  # fmt: skip
 
-    def add_node(self, command_prefix: Sequence[str] = ()) -> Node:
+    def add_node(
+        self, command_prefix: Sequence[str] = (), extra_env: dict[str, str] | None = None, torchrun_flags: Sequence[str] = ()
+    ) -> Node:
+        """Start one more agent; ``command_prefix`` (e.g. ``ip netns exec NS``), ``extra_env`` and
+        ``torchrun_flags`` apply to this node only."""
         index = len(self.nodes)
-        node = start_node([*command_prefix, *self.command()], env(**self.extra_env), self.root / f"node{index}.log")
+        command = [*command_prefix, *self.command(torchrun_flags)]
+        node = start_node(command, env(**self.extra_env, **(extra_env or {})), self.root / f"node{index}.log")
         self.nodes.append(node)
         return node
 
