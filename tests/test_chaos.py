@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from elastic_ddp.checkpoint import cli as ckpt_cli
 from tests.helpers.job import Job, report, resumed_steps, steps
 
 pytestmark = pytest.mark.slow
@@ -250,8 +251,6 @@ def test_storage_outage_during_an_async_save_fails_that_save_and_a_later_one_suc
         s3_server.start()
     after = j.mark()
     j.wait_until(lambda: "Checkpoint committed" in j.output_since(after), 180, "a save to succeed after S3 is back")
-    from elastic_ddp.checkpoint import cli as ckpt_cli
-
     assert ckpt_cli.main(["ckpt", "verify", before_outage]) == 0  # the newest one before the outage is intact
     report("storage outage (S3 down during an async save)",
            "that save fails and is reported; training goes on; the next save commits", None, 0)
@@ -344,9 +343,7 @@ def test_partitioned_node_is_replaced_and_cannot_commit_as_a_stale_writer(job, l
         j.wait_until(lambda: f"Checkpoint committed at {step_dir}" in node_a.output(), 180, "A's commit of step 10")
         release.touch()  # B's save thread wakes and tries to commit into the run
         j.wait_until(lambda: "stale writer" in node_b.output(), 60, "B's refused commit")
-        from elastic_ddp.checkpoint import cli as ckpt_cli
-
-        # Every committed checkpoint after the cut is A's (retention may have removed step 10 by now).
+            # Every committed checkpoint after the cut is A's (retention may have removed step 10 by now).
         for manifest_path in sorted((j.run_dir / "checkpoints").glob("step-*/manifest.json")):
             manifest = json.loads(manifest_path.read_text())
             assert manifest["step"] < every or (manifest["world_size"] == 1 and manifest["rdzv_round"] > 0), manifest
@@ -361,3 +358,25 @@ def test_partitioned_node_is_replaced_and_cannot_commit_as_a_stale_writer(job, l
         for each in j.nodes if "j" in locals() else []:
             each.cleanup()
         etcd.stop()
+
+
+def test_corrupt_newest_checkpoint_at_restart_falls_back_to_the_previous_one(job):
+    first = job(nnodes="2", flags=["--train.max_steps=15", "--checkpoint.every_steps=5"])
+    for node in (first.add_node(), first.add_node()):
+        assert node.wait(timeout=180) == 0, first.output()[-4000:]
+    newest = first.run_dir / "checkpoints" / f"step-{15:09d}"
+    shard = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: bit rot, a torn write
+    shard.write_bytes(bytes(data))
+
+    again = job(nnodes="2", run_id=first.run_id, rdzv_id=f"{first.run_id}-again", flags=["--train.max_steps=25", "--checkpoint.every_steps=5"])
+    for node in (again.add_node(), again.add_node()):
+        assert node.wait(timeout=180) == 0, again.output()[-4000:]
+    out = again.output()
+    assert f"Skipping checkpoint {newest}: file '{shard.name}' failed verification" in out, out[-4000:]
+    assert resumed_steps(out) == [10], out[-4000:]
+    assert f"Replacing {newest}, which failed verification" in out
+    assert ckpt_cli.main(["ckpt", "verify", str(newest)]) == 0  # re-saved when training reached step 15 again
+    report("corrupt newest checkpoint at restart", "verification skips it, resumes from the previous one, re-saves it",
+           None, 15 - 10)

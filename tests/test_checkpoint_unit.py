@@ -231,6 +231,10 @@ def test_damaged_shard_fails_verify_and_latest_falls_back_with_a_warning(tmp_pat
     fresh_model, fresh_opt = tiny(seed=5)
     mgr.load(info, model=fresh_model, optimizer=fresh_opt)
     assert_same(fresh_model, fresh_opt, snaps[1])
+    # Training reaches step 2 again: a sound save replaces the damaged one instead of being skipped.
+    save_steps(mgr, fresh_model, fresh_opt, [2])
+    assert ckpt_cli.main(["ckpt", "verify", str(tmp_path / "step-000000002")]) == 0
+    assert mgr.latest().step == 2
 
 
 def _tamper_metadata(ckpt_dir, marker: str, *, rewrite_manifest: bool) -> None:

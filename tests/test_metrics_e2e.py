@@ -37,6 +37,7 @@ CHECKPOINT_EVERY = 5
 # Past two checkpoint steps, so the failed attempt logs steps its successor redoes.
 KILL_STEP = 12
 CKPT_TAGS = ("ckpt/stall_s", "ckpt/save_s", "ckpt/bytes", "ckpt/throughput_bytes_per_s", "ckpt/failed_saves")
+FIRST_COMMIT = re.compile(rf"Checkpoint committed at \S+/step-{CHECKPOINT_EVERY:09d}:")
 RECOVERED = re.compile(r"Failure recovered after ([\d.]+) s")
 
 
@@ -204,9 +205,12 @@ def test_scale_down_world_size_curve_shows_2_then_1_and_an_event_says_so(etcd_en
     command = torchrun(etcd_endpoint, run_id, tmp_path, nnodes="1:2", nproc_per_node=1, flags=["--train.max_steps=100000"])
     nodes = [start_node(command, env(), tmp_path / f"node{index}.log") for index in range(2)]
     try:
+        # Killed only once the first checkpoint is committed: an async save still in flight dies
+        # with its writer, and the survivor would then start over instead of resuming.
         wait_for(
-            lambda: any(s > CHECKPOINT_EVERY and w == 2 for node in nodes for s, w in steps(node.output())),
-            180, what="steps past the first checkpoint at world size 2",
+            lambda: any(s > CHECKPOINT_EVERY and w == 2 for node in nodes for s, w in steps(node.output()))
+            and any(FIRST_COMMIT.search(node.output()) for node in nodes),
+            180, what="steps past the first committed checkpoint at world size 2",
         )  # fmt: skip
         writer = rank0_node(nodes)
         assert writer is not None

@@ -242,6 +242,7 @@ class CheckpointManager:
         self._stager = HostStager()
         self._resumed_step: int | None = None
         self._verified: set[tuple[str, str]] = set()
+        self._failed_verification: set[str] = set()
         self.failed_saves = 0
         self.last_error: str | None = None
         self.last_save: SaveStats | None = None
@@ -378,9 +379,16 @@ class CheckpointManager:
             raise
 
     def _preflight(self, ckpt_url: str) -> str:
-        if self.storage.exists(join(ckpt_url, mf.MANIFEST_NAME)):
+        manifest_url = join(ckpt_url, mf.MANIFEST_NAME)
+        if self.storage.exists(manifest_url) and ckpt_url not in self._failed_verification:
             return "committed"
         self._check_fence(f"clear {ckpt_url} for a new save")
+        if ckpt_url in self._failed_verification:
+            # The run resumed from an older checkpoint because this one is damaged; training has
+            # now reached its step again, so a sound copy replaces it (manifest first, as in retention).
+            log.warning("[%d/-] Replacing %s, which failed verification at resume, with a new save.", self.rank, ckpt_url)
+            self.storage.remove_file(manifest_url)
+            self._failed_verification.discard(ckpt_url)
         self.storage.remove_tree(ckpt_url)
         return "write"
 
@@ -489,6 +497,7 @@ class CheckpointManager:
             result = self._verify_collective(info)
             if result.ok:
                 return info
+            self._failed_verification.add(info.url)
             log.warning(
                 "[%d/-] Skipping checkpoint %s: file %r failed verification (%s); trying the previous one.",
                 self.rank, info.url, result.bad_file, result.reason,

@@ -60,7 +60,12 @@ class Job:
     extra_env: dict[str, str] = field(default_factory=dict)
     torchrun_flags: Sequence[str] = ()
     run_id: str = field(default_factory=lambda: f"job-{uuid.uuid4().hex[:8]}")
+    # A rendezvous closes when its job ends; a later job continuing the same run needs a new one.
+    rdzv_id: str = ""
     nodes: list[Node] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rdzv_id = self.rdzv_id or self.run_id
 
     @property
     def run_dir(self) -> Path:
@@ -70,7 +75,7 @@ class Job:
         return [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
-            "--rdzv-backend=etcd", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+            "--rdzv-backend=etcd", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
             *self.torchrun_flags, *torchrun_flags,
             str(RECIPE), f"--run.root={self.root}", f"--run.name={self.run_id}", *TINY, *self.flags,
         ]  # fmt: skip
@@ -82,7 +87,7 @@ class Job:
         ``torchrun_flags`` apply to this node only."""
         index = len(self.nodes)
         command = [*command_prefix, *self.command(torchrun_flags)]
-        node = start_node(command, env(**self.extra_env, **(extra_env or {})), self.root / f"node{index}.log")
+        node = start_node(command, env(**self.extra_env, **(extra_env or {})), self.root / f"{self.rdzv_id}-node{index}.log")
         self.nodes.append(node)
         return node
 
