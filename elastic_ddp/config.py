@@ -261,13 +261,17 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = [f"Invalid configuration ({source}):"]
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"])
+        # Values are echoed only where they cannot be credentials: not for storage options, and
+        # not for unknown settings (a mistyped "storage_options" holds the same keys).
         if error["type"] == "extra_forbidden":
-            lines.append(f"  {field}: unknown setting (value {error['input']!r}).")
+            lines.append(f"  {field}: unknown setting.")
             continue
         message = error["msg"].removeprefix("Value error, ")
         if isinstance(error["input"], dict):
             # A cross-field check: its message already names the fields and their values.
             lines.append(f"  {message}")
+        elif "storage_options" in error["loc"]:
+            lines.append(f"  {field}: {message} (value not shown: storage options may hold credentials).")
         else:
             lines.append(f"  {field}: {message} (got {error['input']!r}).")
     return "\n".join(lines)
