@@ -75,6 +75,15 @@ class TrainConfig(Section):
     weight_decay: float = Field(default=0.1, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(default=1.0, ge=0, description="Clip the global gradient norm to this. 0: off.")
     seed: int = Field(default=1337, ge=0, description="Seed of model init, data order and dropout.")
+    exit_at_step: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "After this step, commit a checkpoint and exit 0 on every rank, e.g. to end an attempt "
+            "inside a scheduler's time limit and resume in the next one. Ignored when the run resumes "
+            "at or past it. 0: off."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_lr(self) -> TrainConfig:

@@ -153,16 +153,16 @@ def main(argv: list[str]) -> int:
             outcome = agreement.agree(loss_sum, len(batch.rank_indices))
             ledger.record(step, batch.rank_indices, outcome.loss)
             stopped = outcome.stop
-            if stopped or step == cfg.train.max_steps or (
-                cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
-            ):
+            # Every rank reaches the same step, so ending here needs no agreement.
+            exiting = step in (cfg.train.max_steps, cfg.train.exit_at_step)
+            if stopped or exiting or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0):
                 checkpoints.save(
                     step, model=model, optimizer=optimizer,
                     extra={"data": cursor.state_dict(), "corpus": fingerprint, "world_size": ctx.world_size},
-                    blocking=stopped or step == cfg.train.max_steps,
+                    blocking=stopped or exiting,
                 )  # fmt: skip
             step_time_s = time.perf_counter() - step_started
-            if metrics.should_log(step) or stopped:
+            if metrics.should_log(step) or stopped or exiting:
                 samples = cfg.train.global_batch_size
                 metrics.log_step(step, {
                     "train/loss": outcome.loss,
@@ -176,6 +176,9 @@ def main(argv: list[str]) -> int:
                 })  # fmt: skip
             if stopped:
                 metrics.event(f"Stopped at step {step} on request; checkpoint committed")
+                break
+            if step == cfg.train.exit_at_step:
+                metrics.event(f"Exiting after step {step} (train.exit_at_step); checkpoint committed")
                 break
             step_started = time.perf_counter()
 
