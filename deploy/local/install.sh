@@ -13,7 +13,10 @@ cd "$(dirname "$0")/../.."
 
 stamp=".install-stamp"
 want="$(sha256sum pyproject.toml | cut -c1-16) $extras $($python -c 'import sys; print(sys.prefix)')"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && $python -c "import elastic_ddp, torch" 2>/dev/null; then
+# The installed package must be this checkout (an editable install of a moved or deleted clone
+# would otherwise pass): import it from outside the repository and compare where it lives.
+installed_from() { (cd / && $python -c "import elastic_ddp, os, torch; print(os.path.dirname(elastic_ddp.__path__[0]))" 2>/dev/null); }
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "$(installed_from)" = "$PWD" ]; then
     exit 0
 fi
 if ! $python -c "import torch" 2>/dev/null; then
