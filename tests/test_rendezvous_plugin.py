@@ -234,3 +234,36 @@ def test_torchrun_exits_nonzero_naming_the_endpoint_when_etcd_is_unreachable(tmp
         assert code != 0
         assert elapsed < 30 + 10  # within the join timeout (plus interpreter start-up)
         assert endpoint in node.output(), node.output()
+
+
+def test_a_waiting_node_wakes_when_the_last_one_joins_not_at_its_next_poll(etcd_endpoint, monkeypatch):
+    import threading
+
+    from elastic_ddp.rendezvous import handler as handler_module
+
+    # Were the waiting node still polling, it would now look again only after two minutes.
+    monkeypatch.setattr(handler_module, "POLL_S", 120.0)
+    run_id = f"watch-{uuid.uuid4().hex[:8]}"
+
+    def make():
+        return plugin.create_rdzv_handler(
+            RendezvousParameters(backend="etcd-v3", endpoint=etcd_endpoint, run_id=run_id, min_nodes=2, max_nodes=2)
+        )
+
+    first, second = make(), make()
+    results: dict[str, object] = {}
+    waiting = threading.Thread(target=lambda: results.setdefault("first", first.next_rendezvous()), daemon=True)
+    try:
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while first._state_holder.state.participants == {} and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the first node has joined and waits for the second
+        assert first._state_holder.state.participants, "the first node did not join"
+        info = second.next_rendezvous()
+        waiting.join(timeout=30)
+        assert not waiting.is_alive(), "the waiting node did not notice the round completing"
+        assert info.world_size == results["first"].world_size == 2
+        assert {info.rank, results["first"].rank} == {0, 1}
+    finally:
+        for each in (first, second):
+            each.shutdown()

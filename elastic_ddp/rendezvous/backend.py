@@ -127,6 +127,22 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return None  # a token for a key that no longer exists (expired or deleted)
         return (*self._decode(kv), written)
 
+    def wait_for_state_change(self, token: Token | None, timeout: float) -> bool:
+        """Block until the state changes after the revision ``token`` names, or ``timeout`` s pass.
+
+        Returns True when it changed (or may have: the watch could not be set up, e.g. that
+        revision was compacted), False on timeout. A node waiting in a rendezvous uses this to
+        react to a join or a completed round at once instead of polling every second.
+        """
+        try:
+            revision = int(token) if token is not None else 0
+        except (TypeError, ValueError):
+            revision = 0
+        try:
+            return self._client.wait_for_change(self._key, revision + 1, timeout)
+        except EtcdError:
+            return True  # let the next read find out; it reports a lasting outage itself
+
     def _decode(self, kv: KeyValue) -> tuple[bytes, Token]:
         try:
             state = b64decode(kv.value, validate=True)

@@ -17,6 +17,12 @@
    keep-alive window after the backend answers again, :class:`OutageTolerantStateHolder` does
    not expire anyone, giving live nodes the chance to heartbeat instead of all being dropped.
 
+4. **A waiting node wakes when the state changes.** torch's op executor sleeps a fixed second
+   between polls of the state while it waits for others to join or for a round to complete;
+   :class:`WatchingOpExecutor` waits on an etcd watch of the state key instead (at most that same
+   second, and never past the last-call deadline), so a group forms as soon as its last member
+   writes, without more reads of etcd than one per change.
+
 Also exported to the workers (through the agent's environment, which torchrun copies into every
 worker): ``ELASTIC_DDP_RDZV_ROUND``, the rendezvous round the worker group was formed in, so
 checkpoint commits can be fenced against stale writers of an older round.
@@ -32,24 +38,38 @@ import logging
 import os
 import time
 import weakref
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from torch.distributed import Store
-from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     RendezvousSettings,
     RendezvousTimeout,
+    _Action,
     _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
+    _RendezvousContext,
     _RendezvousExitOp,
 )
 
-__all__ = ["ENV_RDZV_ROUND", "ElasticRendezvousHandler", "OutageTolerantStateHolder", "create_elastic_handler"]
+__all__ = [
+    "ENV_RDZV_ROUND", "ElasticRendezvousHandler", "OutageTolerantStateHolder", "WatchingOpExecutor",
+    "create_elastic_handler",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"  # also named in elastic_ddp.distributed
+POLL_S = 1.0  # torch's fixed delay between polls: the longest a waiting node now waits
+MIN_POLL_S = 0.05  # a floor between reads, so a burst of heartbeats cannot make a node spin
 
 
 class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
@@ -77,6 +97,72 @@ class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
     def in_outage_grace(self) -> bool:
         return self._last_failure is not None and time.monotonic() - self._last_failure < self._grace_s
 
+    def wait_for_change(self, timeout: float) -> None:
+        """Return when the backend's state has changed since the last sync, or after ``timeout`` s;
+        the next :meth:`sync` then reads the backend instead of serving its one-second cache."""
+        wait = getattr(self._backend, "wait_for_state_change", None)
+        if wait is None:  # a backend without watches: torch's fixed poll
+            time.sleep(timeout)
+            return
+        if wait(self._token, timeout):
+            self._last_sync_time = -1
+
+
+class WatchingOpExecutor(_DistributedRendezvousOpExecutor):
+    """torch's rendezvous op executor, waiting on state changes instead of sleeping between polls.
+
+    The loop is torch's: sync, ask the operation's state handler for the next action, apply it
+    locally and mark the state dirty for the next sync. Only ``SYNC`` (wait for others) differs.
+    """
+
+    _APPLY = {
+        _Action.KEEP_ALIVE: "_keep_alive",
+        _Action.ADD_TO_PARTICIPANTS: "_add_to_participants",
+        _Action.ADD_TO_WAIT_LIST: "_add_to_wait_list",
+        _Action.ADD_TO_REDUNDANCY_LIST: "_add_to_redundancy_list",
+        _Action.REMOVE_FROM_PARTICIPANTS: "_remove_from_participants",
+        _Action.REMOVE_FROM_WAIT_LIST: "_remove_from_wait_list",
+        _Action.REMOVE_FROM_REDUNDANCY_LIST: "_remove_from_redundancy_list",
+        _Action.MARK_RENDEZVOUS_COMPLETE: "_mark_rendezvous_complete",
+        _Action.MARK_RENDEZVOUS_CLOSED: "_mark_rendezvous_closed",
+    }
+
+    def run(self, state_handler, deadline: float, update_deadline=None) -> None:
+        action = None
+        while action != _Action.FINISH:
+            self._state_holder.sync()
+            self._state = self._state_holder.state
+            action = state_handler(_RendezvousContext(self._node, self._state, self._settings), deadline)
+            if action == _Action.FINISH:
+                continue
+            if action == _Action.ERROR_CLOSED:
+                raise RendezvousClosedError
+            if action == _Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError
+            if action == _Action.SYNC:
+                self._wait(deadline)
+                continue
+            getattr(self, self._APPLY[action])()
+            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
+                # As in torch: the node may now take part in the round, so it gets a fresh join deadline.
+                deadline = update_deadline(self._settings.timeout.join)
+            self._state_holder.mark_dirty()
+
+    def _wait(self, deadline: float) -> None:
+        started = time.monotonic()
+        timeout = min(POLL_S, max(deadline - started, 0.0))
+        last_call = self._state.deadline  # set once min_nodes joined: the round closes then
+        if last_call is not None:
+            timeout = min(timeout, max((last_call - datetime.now(timezone.utc)).total_seconds(), 0.0))
+        wait = getattr(self._state_holder, "wait_for_change", None)
+        if wait is None:
+            time.sleep(timeout)
+        else:
+            wait(timeout)
+        rest = MIN_POLL_S - (time.monotonic() - started)
+        if rest > 0:
+            time.sleep(rest)
+
 
 class ElasticRendezvousHandler(DynamicRendezvousHandler):
     """See the module docstring. Create with :func:`create_elastic_handler`."""
@@ -87,6 +173,7 @@ class ElasticRendezvousHandler(DynamicRendezvousHandler):
         self._joined_members: frozenset = frozenset()
         self._reported_change: tuple | None = None
         self._outage_since: float | None = None
+        self._op_executor = WatchingOpExecutor(self._this_node, self._state_holder, self._settings)
         atexit.register(_leave_at_exit, weakref.ref(self))
 
     def next_rendezvous(self) -> RendezvousInfo:
