@@ -56,7 +56,7 @@ def test_preempted_node_checkpoints_and_survivor_continues_with_zero_lost_steps(
     assert "left round" in survivor.output()
     preempted.wait(timeout=60)
     report("preemption (SIGTERM to one node)", "stop checkpoint at the agreed step; survivor restarts at world size 1",
-           round(recovery_s, 1), last_before - resumed[-1])
+           round(recovery_s, 1), last_before - resumed[-1], checkpoints_verified=j.stop_and_verify_checkpoints())
 
 
 def test_node_joining_costs_no_progress(job):
@@ -72,7 +72,7 @@ def test_node_joining_costs_no_progress(job):
     assert resumed and resumed[-1] == last_before, after[-4000:]
     assert "torchrun restart 1 of" not in j.output()  # membership changes spend no restarts
     report("node joins", "stop checkpoint at the agreed step; all restart at world size 3",
-           round(recovery_s, 1), last_before - resumed[-1])
+           round(recovery_s, 1), last_before - resumed[-1], checkpoints_verified=j.stop_and_verify_checkpoints())
 
 
 def test_hard_node_loss_survivor_resumes_from_newest_checkpoint(job):
@@ -81,6 +81,7 @@ def test_hard_node_loss_survivor_resumes_from_newest_checkpoint(job):
     j.add_node()
     victim = j.add_node()
     j.wait_for_step(12, world_size=2)
+    j.wait_until(lambda: "Checkpoint committed" in j.output(), 60, "a committed checkpoint")
     mark, t0 = j.mark(), time.monotonic()
     victim.kill()  # SIGKILL of the agent and its workers: no chance to checkpoint
     recovery_s = j.wait_for_training_since(mark, t0, world_size=1)
@@ -92,7 +93,8 @@ def test_hard_node_loss_survivor_resumes_from_newest_checkpoint(job):
     # N+every waits for it: the newest committed checkpoint is at most two intervals old.
     assert 0 <= lost < 2 * every
     report("hard node loss (SIGKILL of a node)", "survivor resumes from the newest committed checkpoint",
-           round(recovery_s, 1), lost, checkpoint_every=every)
+           round(recovery_s, 1), lost, checkpoint_every=every,
+           checkpoints_verified=j.stop_and_verify_checkpoints())
 
 
 def test_orphaned_workers_exit_by_themselves_when_their_agent_dies(job):
@@ -103,6 +105,7 @@ def test_orphaned_workers_exit_by_themselves_when_their_agent_dies(job):
     j.add_node()
     victim = j.add_node()
     j.wait_for_step(12, world_size=2)
+    j.wait_until(lambda: "Checkpoint committed" in j.output(), 60, "a committed checkpoint")
     workers = descendants(victim.pid)
     assert workers
     t0 = time.monotonic()
@@ -116,7 +119,8 @@ def test_orphaned_workers_exit_by_themselves_when_their_agent_dies(job):
     mark = j.mark()
     recovery_s = j.wait_for_training_since(mark, t0, world_size=1)
     report("orphaned workers (agent SIGKILLed alone)", "workers notice the lost parent and exit",
-           round(exit_s, 1), None, survivor_training_again_s=round(recovery_s, 1))
+           round(exit_s, 1), None, survivor_training_again_s=round(recovery_s, 1),
+           checkpoints_verified=j.stop_and_verify_checkpoints())
 
 
 def _alive(pid: int) -> bool:
@@ -139,7 +143,7 @@ def test_worker_exception_restarts_the_group_which_resumes(job):
     assert "torchrun restart 1 of at most 3" in j.output()  # a failure spends one of --max-restarts
     j.wait_for_step(14, world_size=2)
     report("worker crash (exception, once)", "group restarts and resumes from the newest checkpoint",
-           round(recovery_s, 1), 11 - resumed[-1])
+           round(recovery_s, 1), 11 - resumed[-1], checkpoints_verified=j.stop_and_verify_checkpoints())
 
 
 def test_crash_recurring_at_the_same_step_stops_after_the_budget_with_one_clear_error(job):
@@ -156,7 +160,7 @@ def test_crash_recurring_at_the_same_step_stops_after_the_budget_with_one_clear_
     assert "RecurringFailureError: Step 8 failed in all 3 attempts with the same error" in output
     assert "--max-restarts=2 is spent" in output
     report("worker crash recurring at the same step", "stops after --max-restarts with one clear final error",
-           None, None)
+           None, None, checkpoints_verified=j.stop_and_verify_checkpoints())
 
 
 def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_recovers(job):
@@ -170,6 +174,8 @@ def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_rec
     j.add_node()
     frozen_node = j.add_node()
     j.wait_for_step(8, world_size=2)
+    # Frozen only once a checkpoint is committed: a save in flight would freeze with the rank.
+    j.wait_until(lambda: "Checkpoint committed" in j.output(), 60, "a committed checkpoint")
     worker = descendants(frozen_node.pid)[0]
     mark, t0 = j.mark(), time.monotonic()
     os.kill(worker, signal.SIGSTOP)  # a rank that stops making progress without dying
@@ -180,7 +186,8 @@ def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_rec
     assert resumed
     # The frozen worker ignores SIGTERM: torchrun's restart path waits a fixed 30 s before SIGKILL.
     report("hang (SIGSTOP of one rank)", f"collective timeout ({timeout_s} s) breaks the group; it re-forms",
-           round(recovery_s, 1), None, detected_s=round(detected_s, 1), dist_timeout_s=timeout_s)
+           round(recovery_s, 1), None, detected_s=round(detected_s, 1), dist_timeout_s=timeout_s,
+           checkpoints_verified=j.stop_and_verify_checkpoints())
 
 
 @pytest.fixture
@@ -214,7 +221,8 @@ def test_training_goes_on_through_a_30_s_etcd_outage_and_membership_changes_afte
     j.add_node()
     recovery_s = j.wait_for_training_since(mark, t0, world_size=3)
     report("etcd outage (30 s) during training", "training goes on; a node joins after etcd is back",
-           0.0, 0, steps_during_outage=during - down_at, join_after_outage_s=round(recovery_s, 1))
+           0.0, 0, steps_during_outage=during - down_at, join_after_outage_s=round(recovery_s, 1),
+           checkpoints_verified=j.stop_and_verify_checkpoints())
 
 
 def test_rendezvous_continues_through_a_3_member_etcd_cluster_with_one_member_killed(job, tmp_path):
@@ -230,7 +238,7 @@ def test_rendezvous_continues_through_a_3_member_etcd_cluster_with_one_member_ki
         j.add_node()
         recovery_s = j.wait_for_training_since(mark, t0, world_size=3)
         report("etcd member lost (3-member cluster)", "rendezvous fails over to the other members; a node joins",
-               round(recovery_s, 1), 0)
+               round(recovery_s, 1), 0, checkpoints_verified=j.stop_and_verify_checkpoints())
     finally:
         cluster.stop()
 
@@ -253,7 +261,8 @@ def test_storage_outage_during_an_async_save_fails_that_save_and_a_later_one_suc
     j.wait_until(lambda: "Checkpoint committed" in j.output_since(after), 180, "a save to succeed after S3 is back")
     assert ckpt_cli.main(["ckpt", "verify", before_outage]) == 0  # the newest one before the outage is intact
     report("storage outage (S3 down during an async save)",
-           "that save fails and is reported; training goes on; the next save commits", None, 0)
+           "that save fails and is reported; training goes on; the next save commits", None, 0,
+           checkpoints_verified=j.stop_and_verify_checkpoints(s3_url))
 
 
 class Link:
@@ -343,7 +352,7 @@ def test_partitioned_node_is_replaced_and_cannot_commit_as_a_stale_writer(job, l
         j.wait_until(lambda: f"Checkpoint committed at {step_dir}" in node_a.output(), 180, "A's commit of step 10")
         release.touch()  # B's save thread wakes and tries to commit into the run
         j.wait_until(lambda: "stale writer" in node_b.output(), 60, "B's refused commit")
-            # Every committed checkpoint after the cut is A's (retention may have removed step 10 by now).
+        # Every committed checkpoint after the cut is A's (retention may have removed step 10 by now).
         for manifest_path in sorted((j.run_dir / "checkpoints").glob("step-*/manifest.json")):
             manifest = json.loads(manifest_path.read_text())
             assert manifest["step"] < every or (manifest["world_size"] == 1 and manifest["rdzv_round"] > 0), manifest
@@ -353,7 +362,8 @@ def test_partitioned_node_is_replaced_and_cannot_commit_as_a_stale_writer(job, l
         rejoin_s = j.wait_for_training_since(heal_mark, t1, world_size=2)
         report("network partition (one node cut off)",
                "others re-form after dist.timeout_s; the cut-off node's late commit is fenced; it rejoins on heal",
-               round(recovery_s, 1), every, dist_timeout_s=timeout_s, rejoin_after_heal_s=round(rejoin_s, 1))  # fmt: skip
+               round(recovery_s, 1), every, dist_timeout_s=timeout_s, rejoin_after_heal_s=round(rejoin_s, 1),
+               checkpoints_verified=j.stop_and_verify_checkpoints())  # fmt: skip
     finally:
         for each in j.nodes if "j" in locals() else []:
             each.cleanup()
@@ -379,4 +389,4 @@ def test_corrupt_newest_checkpoint_at_restart_falls_back_to_the_previous_one(job
     assert f"Replacing {newest}, which failed verification" in out
     assert ckpt_cli.main(["ckpt", "verify", str(newest)]) == 0  # re-saved when training reached step 15 again
     report("corrupt newest checkpoint at restart", "verification skips it, resumes from the previous one, re-saves it",
-           None, 15 - 10)
+           None, 15 - 10, checkpoints_verified=again.stop_and_verify_checkpoints())

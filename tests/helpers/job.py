@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_ddp.checkpoint.manager import list_checkpoints, verify_checkpoint
+from elastic_ddp.checkpoint.storage import Storage
 from tests.helpers.nodes import Node, start_node, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,10 +142,36 @@ class Job:
         for node in self.nodes:
             node.cleanup()
 
+    def stop_and_verify_checkpoints(self, url: str | None = None) -> int:
+        """Kill every node (mid-save, perhaps), then check that every committed checkpoint of the run
+        (under ``url``, default the run's own directory) is intact; return how many there are.
 
-def report(scenario: str, behaviour: str, recovery_s: float | None, steps_lost: int | None, **more) -> None:
-    """Print (and append to ``$ELASTIC_DDP_RELIABILITY_OUT``) one scenario's measured figures."""
-    record = {"scenario": scenario, "behaviour": behaviour, "recovery_s": recovery_s, "steps_lost": steps_lost, **more}
+        This is what "no data lost" means in the reliability report: whatever a failure interrupted,
+        nothing that was committed is damaged or missing its files."""
+        self.cleanup()
+        storage = Storage(url or str(self.run_dir / "checkpoints"))
+        infos = list_checkpoints(storage)
+        damaged = [
+            f"{info.url}: {result.bad_file} ({result.reason})"
+            for info in infos
+            if not (result := verify_checkpoint(storage, info)).ok
+        ]
+        assert infos, f"no committed checkpoint under {storage.url}"
+        assert not damaged, "damaged committed checkpoints:\n" + "\n".join(damaged)
+        return len(infos)
+
+
+def report(
+    scenario: str, behaviour: str, recovery_s: float | None, steps_lost: int | None, *, checkpoints_verified: int, **more
+) -> None:
+    """Print (and append to ``$ELASTIC_DDP_RELIABILITY_OUT``) one scenario's measured figures.
+
+    ``checkpoints_verified`` comes from :meth:`Job.stop_and_verify_checkpoints`, which fails the
+    test if any committed checkpoint is damaged: a report exists only when no data was lost."""
+    record = {
+        "scenario": scenario, "behaviour": behaviour, "recovery_s": recovery_s, "steps_lost": steps_lost,
+        "checkpoints_verified": checkpoints_verified, "data_lost": "none", **more,
+    }  # fmt: skip
     line = json.dumps(record)
     print(f"RELIABILITY {line}")
     out = os.environ.get(ENV_RELIABILITY_OUT)
