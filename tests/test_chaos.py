@@ -81,7 +81,7 @@ def test_hard_node_loss_survivor_resumes_from_newest_checkpoint(job):
     j.add_node()
     victim = j.add_node()
     j.wait_for_step(12, world_size=2)
-    j.wait_until(lambda: "Checkpoint committed" in j.output(), 60, "a committed checkpoint")
+    j.wait_for_commit()
     mark, t0 = j.mark(), time.monotonic()
     victim.kill()  # SIGKILL of the agent and its workers: no chance to checkpoint
     recovery_s = j.wait_for_training_since(mark, t0, world_size=1)
@@ -105,7 +105,7 @@ def test_orphaned_workers_exit_by_themselves_when_their_agent_dies(job):
     j.add_node()
     victim = j.add_node()
     j.wait_for_step(12, world_size=2)
-    j.wait_until(lambda: "Checkpoint committed" in j.output(), 60, "a committed checkpoint")
+    j.wait_for_commit()
     workers = descendants(victim.pid)
     assert workers
     t0 = time.monotonic()
@@ -175,7 +175,7 @@ def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_rec
     frozen_node = j.add_node()
     j.wait_for_step(8, world_size=2)
     # Frozen only once a checkpoint is committed: a save in flight would freeze with the rank.
-    j.wait_until(lambda: "Checkpoint committed" in j.output(), 60, "a committed checkpoint")
+    j.wait_for_commit()
     worker = descendants(frozen_node.pid)[0]
     mark, t0 = j.mark(), time.monotonic()
     os.kill(worker, signal.SIGSTOP)  # a rank that stops making progress without dying

@@ -135,8 +135,8 @@ def test_resume_after_kill_9_past_the_committed_checkpoint_is_bitwise_identical(
     # Rank 0 stalls at the start of step 25, so the kill finds steps 21-24 trained but not saved.
     first = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="first",
                 env={"ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip
-    committed = f"Checkpoint committed at {first.run_dir / 'checkpoints' / f'step-{HALF:09d}'}"
-    first.wait_until(lambda: committed in first.output() and first.last_step() >= 24, 180, "the step-20 commit")
+    first.wait_for_commit(HALF, timeout=180)
+    first.wait_for_step(24)
     first.nodes[0].kill()  # kill -9 of the agent and both workers
     first.cleanup()
     again = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="again")
@@ -177,8 +177,8 @@ def test_a_real_scale_down_neither_repeats_nor_skips_a_sample(etcd_endpoint, tmp
     try:
         job.add_node()
         victim = job.add_node()
-        committed = f"Checkpoint committed at {job.run_dir / 'checkpoints' / f'step-{10:09d}'}"
-        job.wait_until(lambda: committed in job.output() and job.last_step() >= 12, 180, "the step-10 commit")
+        job.wait_for_commit(10, timeout=180)
+        job.wait_for_step(12)
         mark, t0 = job.mark(), time.monotonic()
         victim.kill()  # the node and its worker: the steps since the last commit are redone
         job.wait_for_training_since(mark, t0, world_size=1)

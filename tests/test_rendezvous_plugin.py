@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.etcd_server import free_port
 from elastic_ddp.rendezvous import plugin
-from tests.helpers.nodes import start_node
+from tests.helpers.nodes import start_node, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "workers" / "rdzv_worker.py"
@@ -255,10 +255,7 @@ def test_a_waiting_node_wakes_when_the_last_one_joins_not_at_its_next_poll(etcd_
     waiting = threading.Thread(target=lambda: results.setdefault("first", first.next_rendezvous()), daemon=True)
     try:
         waiting.start()
-        deadline = time.monotonic() + 30
-        while first._state_holder.state.participants == {} and time.monotonic() < deadline:
-            time.sleep(0.05)  # until the first node has joined and waits for the second
-        assert first._state_holder.state.participants, "the first node did not join"
+        wait_for(lambda: first._state_holder.state.participants, 30, what="the first node to join and wait")
         info = second.next_rendezvous()
         waiting.join(timeout=30)
         assert not waiting.is_alive(), "the waiting node did not notice the round completing"

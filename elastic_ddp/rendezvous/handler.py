@@ -154,11 +154,7 @@ class WatchingOpExecutor(_DistributedRendezvousOpExecutor):
         last_call = self._state.deadline  # set once min_nodes joined: the round closes then
         if last_call is not None:
             timeout = min(timeout, max((last_call - datetime.now(timezone.utc)).total_seconds(), 0.0))
-        wait = getattr(self._state_holder, "wait_for_change", None)
-        if wait is None:
-            time.sleep(timeout)
-        else:
-            wait(timeout)
+        self._state_holder.wait_for_change(timeout)  # create_elastic_handler gives every handler this holder
         rest = MIN_POLL_S - (time.monotonic() - started)
         if rest > 0:
             time.sleep(rest)

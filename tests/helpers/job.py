@@ -116,6 +116,13 @@ class Job:
             timeout, f"step {step}" + (f" at world size {world_size}" if world_size else ""),
         )  # fmt: skip
 
+    def wait_for_commit(self, step: int | None = None, timeout: float = 60) -> None:
+        """Wait until a checkpoint (of ``step``, default any) is committed: a node killed while its
+        asynchronous save is in flight would otherwise leave nothing to resume from."""
+        needle = "Checkpoint committed at " + (f"{self.run_dir / 'checkpoints' / f'step-{step:09d}'}:" if step else "")
+        what = f"the commit of step {step}" if step else "a committed checkpoint"
+        self.wait_until(lambda: needle in self.output(), timeout, what)
+
     def mark(self) -> list[int]:
         """A position in every node's output; :meth:`output_since` returns what came after it."""
         return [len(node.output()) for node in self.nodes]
