@@ -36,7 +36,7 @@ def manager(url: str, async_save: bool, storage_options: dict | None = None):
     from elastic_ddp.config import CheckpointConfig
 
     cfg = CheckpointConfig(url=url, async_save=async_save, keep_last=100, storage_options=storage_options or {})
-    return CheckpointManager(cfg, config_digest="benchmark")
+    return CheckpointManager(cfg, identity={"benchmark": NAME})
 
 
 class Managers:
@@ -51,7 +51,7 @@ class Managers:
         self.sync = manager(url("mgr_sync"), False, storage_options)
         self.async_ = manager(url("mgr_async"), True, storage_options)
         self._step = 0
-        self.async_.save(self._next(), model=state.model, optimizer=state.optimizer, blocking=False)
+        self.async_.save(self._next(), state.objects(), blocking=False)
         self.async_.wait()
 
     def _next(self) -> int:
@@ -59,12 +59,12 @@ class Managers:
         return self._step
 
     def sync_s(self) -> float:
-        return timed(self.sync.save, self._next(), model=self.state.model, optimizer=self.state.optimizer, blocking=True)
+        return timed(self.sync.save, self._next(), self.state.objects(), blocking=True)
 
     def async_s(self) -> dict[str, float]:
         """How long save() blocked (the training step's stall), and how long until the commit."""
         start = time.perf_counter()
-        self.async_.save(self._next(), model=self.state.model, optimizer=self.state.optimizer, blocking=False)
+        self.async_.save(self._next(), self.state.objects(), blocking=False)
         stall = time.perf_counter() - start
         self.async_.wait()
         return {"stall_s": stall, "total_s": time.perf_counter() - start}

@@ -26,7 +26,7 @@ def run(ctx: Context) -> Result:
     state = build_state(megabytes)
     url, pt = str(root / "ckpt"), str(root / "state.pt")
     saver = manager(url, async_save=False)
-    saver.save(1, model=state.model, optimizer=state.optimizer, extra={"data": {"consumed": 123}}, blocking=True)
+    saver.save(1, state.objects(), blocking=True)
     saver.close()
     torch_save(state, pt)
 
@@ -37,7 +37,7 @@ def run(ctx: Context) -> Result:
         info = mgr.resolve("auto")
         if info is None:
             raise RuntimeError(f"The manager found no checkpoint under {url}.")
-        mgr.load(info, model=target.model, optimizer=target.optimizer)
+        mgr.load(info, target.objects())
         loaded = time.perf_counter()
         target.step()
         end = time.perf_counter()

@@ -21,6 +21,7 @@ import torch
 
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.config import CheckpointConfig
+from elastic_ddp.state import ModelState, OptimizerState
 
 
 def build(total_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -66,17 +67,18 @@ def main() -> None:
     model, opt = build(args.mb)
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
     print(f"state: {state_bytes / 1e6:.0f} MB ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params + AdamW)")
-    mgr = CheckpointManager(CheckpointConfig(url=f"{args.dir}/ck", keep_last=1), config_digest="bench")
+    mgr = CheckpointManager(CheckpointConfig(url=f"{args.dir}/ck", keep_last=1), identity={"benchmark": "ckpt_quick"})
+    objects = {"model": ModelState(model), "optim": OptimizerState(model, opt)}
     rows: dict[str, list[float]] = {k: [] for k in ("async_stall", "async_save", "sync_stall", "dcp_tput", "torch_tput")}
     step = 0
     for _ in range(args.rounds):
         step += 1
-        mgr.save(step, model=model, optimizer=opt, extra={}, blocking=False)
+        mgr.save(step, objects, blocking=False)
         assert mgr.wait(), mgr.last_error
         rows["async_stall"].append(mgr.last_save.stall_s)
         rows["async_save"].append(mgr.last_save.save_s)
         step += 1
-        assert mgr.save(step, model=model, optimizer=opt, extra={}, blocking=True), mgr.last_error
+        assert mgr.save(step, objects, blocking=True), mgr.last_error
         rows["sync_stall"].append(mgr.last_save.stall_s)
         rows["dcp_tput"].append(mgr.last_save.throughput_bytes_per_s / 1e6)
         path = f"{args.dir}/plain.pt"

@@ -34,6 +34,12 @@ class TrainState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def objects(self) -> dict:
+        """The model and optimizer as a checkpoint manager saves and loads them."""
+        from elastic_ddp.state import ModelState, OptimizerState
+
+        return {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer)}
+
     def plain_state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
 

@@ -9,6 +9,7 @@ import torch
 
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.config import CheckpointConfig
+from elastic_ddp.state import ModelState, OptimizerState
 
 
 @pytest.fixture
@@ -33,14 +34,14 @@ def test_disk_full_save_fails_cleanly_keeps_committed_and_recovers(small_disk, a
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 256)).sum().backward()
     opt.step()
-    mgr = CheckpointManager(CheckpointConfig(url=str(small_disk / "ck"), async_save=async_save), config_digest="d")
-    mgr.save(1, model=model, optimizer=opt, extra={})
+    mgr = CheckpointManager(CheckpointConfig(url=str(small_disk / "ck"), async_save=async_save), identity={})
+    mgr.save(1, {"model": ModelState(model), "optim": OptimizerState(model, opt)})
     assert mgr.wait(), mgr.last_error
 
     filler = small_disk / "filler"
     free = subprocess.run(["df", "-B1", "--output=avail", str(small_disk)], capture_output=True, text=True)
     filler.write_bytes(b"\0" * max(int(free.stdout.split()[-1]) - 200_000, 0))
-    mgr.save(2, model=model, optimizer=opt, extra={})
+    mgr.save(2, {"model": ModelState(model), "optim": OptimizerState(model, opt)})
     assert not mgr.wait()
     assert mgr.failed_saves == 1 and "step-000000002" in mgr.last_error
     assert [i.step for i in mgr.list()] == [1]
@@ -48,6 +49,6 @@ def test_disk_full_save_fails_cleanly_keeps_committed_and_recovers(small_disk, a
     assert not (small_disk / "ck" / "step-000000002" / "manifest.json").exists()
 
     filler.unlink()
-    mgr.save(3, model=model, optimizer=opt, extra={})
+    mgr.save(3, {"model": ModelState(model), "optim": OptimizerState(model, opt)})
     assert mgr.close(), mgr.last_error
     assert [i.step for i in mgr.list()] == [1, 3]

@@ -15,9 +15,10 @@ import torch
 
 from elastic_ddp.checkpoint import ENV_FAULT_POINT, CheckpointManager
 from elastic_ddp.config import CheckpointConfig
+from elastic_ddp.state import ModelState, OptimizerState
 
 WORKER = str(Path(__file__).parent / "workers" / "ckpt_worker.py")
-DIGEST = "worker-digest"  # the worker's config digest
+IDENTITY = {"worker": "ckpt_worker"}  # the worker's run identity
 
 
 def _descendants(pid: int) -> list[int]:
@@ -72,12 +73,13 @@ def load_in_process_and_compare(url: str, dump: str) -> None:
     finally:
         sys.path.pop(0)
     model, opt = ckpt_worker.build()
-    mgr = CheckpointManager(CheckpointConfig(url=url), config_digest=DIGEST)
-    extra = mgr.load(mgr.resolve("auto"), model=model, optimizer=opt)
+    mgr = CheckpointManager(CheckpointConfig(url=url), identity=IDENTITY)
+    progress = ckpt_worker.Progress()
+    mgr.load(mgr.resolve("auto"), ckpt_worker.objects(model, opt, progress))
     expected = torch.load(dump, weights_only=True)
     for key, value in expected["model"].items():
         assert torch.equal(model.state_dict()[key], value), key
-    assert extra["world"] != 1
+    assert progress.world != 1
 
 
 def data_file_ranks(ckpt_dir: Path) -> set[int]:
@@ -111,14 +113,14 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_latest(tmp_pat
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.AdamW(model.parameters())
-    first = CheckpointManager(CheckpointConfig(url=url), config_digest=DIGEST)
-    assert first.save(1, model=model, optimizer=opt, extra={"step": 1}, blocking=True)
+    first = CheckpointManager(CheckpointConfig(url=url), identity=IDENTITY)
+    assert first.save(1, {"model": ModelState(model), "optim": OptimizerState(model, opt)}, blocking=True)
 
     result = torchrun(2, "save", "--url", url, "--steps", "2", "--save-at", "2", "--fault-step", "2", "--fault", point)
     assert result.returncode != 0, result.stdout[-3000:]
     assert "SIGKILL" in result.stdout or "Signal 9" in result.stdout or "-9" in result.stdout, result.stdout[-3000:]
 
-    mgr = CheckpointManager(CheckpointConfig(url=url), config_digest=DIGEST)
+    mgr = CheckpointManager(CheckpointConfig(url=url), identity=IDENTITY)
     assert [i.step for i in mgr.list()] == [1]
     info = mgr.latest()
     assert info.step == 1 and mgr.verify(info).ok

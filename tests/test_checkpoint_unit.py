@@ -16,27 +16,38 @@ from elastic_ddp.checkpoint import (
     ENV_FAULT_POINT,
     FENCE_NAME,
     CheckpointError,
+    CheckpointInfo,
     CheckpointManager,
-    ConfigMismatchError,
     retention_plan,
 )
 from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.checkpoint.dcp_io import HostStager
 from elastic_ddp.config import CheckpointConfig
+from elastic_ddp.state import ModelState, OptimizerState, RNGState
 from tests.helpers.nodes import wait_for
 
-MODEL_CONFIG = {"n_layer": 2, "n_embd": 8}
+IDENTITY = {"model.n_layer": 2, "model.n_embd": 8}
 
 
-def manager(
-    url: str, digest: str = "digest-1", model_config: dict | None = None, rdzv_round: int | None = None, **cfg
-) -> CheckpointManager:
-    return CheckpointManager(
-        CheckpointConfig(url=url, **cfg),
-        config_digest=digest,
-        model_config=model_config or MODEL_CONFIG,
-        rdzv_round=rdzv_round,
-    )
+def manager(url: str, identity: dict | None = None, rdzv_round: int | None = None, **cfg) -> CheckpointManager:
+    return CheckpointManager(CheckpointConfig(url=url, **cfg), identity=identity or IDENTITY, rdzv_round=rdzv_round)
+
+
+class Box:
+    """A user's own stateful object: any picklable-free values."""
+
+    def __init__(self, **values) -> None:
+        self.values = dict(values)
+
+    def state_dict(self) -> dict:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = dict(state)
+
+
+def objects(model: torch.nn.Module, opt: torch.optim.Optimizer, **more) -> dict:
+    return {"model": ModelState(model), "optim": OptimizerState(model, opt), **more}
 
 
 def tiny(seed: int = 0, width: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -87,27 +98,39 @@ def save_steps(mgr: CheckpointManager, model, opt, steps, **kw) -> dict[int, tup
     snapshots = {}
     for step in steps:
         train(model, opt)
-        mgr.save(step, model=model, optimizer=opt, extra={"step": step}, **kw)
+        mgr.save(step, objects(model, opt, extra=Box(step=step)), **kw)
         snapshots[step] = clone_state(model, opt)
     assert mgr.wait()
     return snapshots
 
 
-def test_save_load_roundtrip_restores_model_optimizer_and_extra(mem_url: str) -> None:
+def test_save_load_roundtrip_restores_model_optimizer_registered_objects_and_rng(mem_url: str) -> None:
     model, opt = tiny()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scheduler.step()
     mgr = manager(mem_url)
-    extra = {"step": 7, "sched": {"last_epoch": 7}, "cursor": {"epoch": 1, "offset": 96}, "rng": torch.get_rng_state()}
-    mgr.save(7, model=model, optimizer=opt, extra=extra)
+    cursor = Box(epoch=1, offset=96, betas=(0.9, 0.95), name="x", nothing=None)
+    mgr.save(7, objects(model, opt, scheduler=scheduler, cursor=cursor), rank_state={"rng": RNGState()})
     assert mgr.close()
     expected = clone_state(model, opt)
+    rng_after_save = torch.rand(3)
 
     fresh_model, fresh_opt = tiny(seed=1)
+    fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=2, gamma=0.5)
+    fresh_cursor = Box(epoch=0, offset=0, betas=(0.0, 0.0), name="", nothing=None)
+    torch.manual_seed(99)
     mgr2 = manager(mem_url)
     info = mgr2.resolve("auto")
     assert info is not None and info.step == 7 and info.world_size == 1
-    got = mgr2.load(info, model=fresh_model, optimizer=fresh_opt)
+    restored = mgr2.load(
+        info, objects(fresh_model, fresh_opt, scheduler=fresh_scheduler, cursor=fresh_cursor),
+        rank_state={"rng": RNGState()},
+    )  # fmt: skip
+    assert restored
     assert_same(fresh_model, fresh_opt, expected)
-    assert got["cursor"] == extra["cursor"] and torch.equal(got["rng"], extra["rng"])
+    assert fresh_scheduler.state_dict() == scheduler.state_dict()
+    assert fresh_cursor.values == cursor.values
+    assert torch.equal(torch.rand(3), rng_after_save)  # the generator continues where the save left it
     stats = mgr.last_save
     assert stats is not None and stats.bytes == info.bytes > 0 and stats.throughput_bytes_per_s > 0
 
@@ -115,7 +138,7 @@ def test_save_load_roundtrip_restores_model_optimizer_and_extra(mem_url: str) ->
 def test_async_save_writes_the_values_of_its_step_while_training_mutates_them(mem_url: str) -> None:
     model, opt = tiny(width=256)
     mgr = manager(mem_url, async_save=True)
-    mgr.save(1, model=model, optimizer=opt, extra={"step": 1})
+    mgr.save(1, objects(model, opt))
     expected = clone_state(model, opt)
     # Training goes on at once: mutate every parameter and optimizer tensor in place.
     with torch.no_grad():
@@ -125,7 +148,7 @@ def test_async_save_writes_the_values_of_its_step_while_training_mutates_them(me
             state["exp_avg"].mul_(-1).add_(5)
     assert mgr.wait(), mgr.last_error
     fresh_model, fresh_opt = tiny(seed=3, width=256)
-    mgr.load(mgr.latest(), model=fresh_model, optimizer=fresh_opt)
+    mgr.load(mgr.latest(), objects(fresh_model, fresh_opt))
     assert_same(fresh_model, fresh_opt, expected)
     assert mgr.last_save.stall_s < mgr.last_save.save_s
 
@@ -141,13 +164,14 @@ def test_host_stager_copies_and_reuses_its_buffers() -> None:
     assert second["a"].data_ptr() == first["a"].data_ptr() and torch.equal(second["a"], t)
 
 
-def test_manifest_records_step_world_size_time_versions_digest_and_checksums(tmp_path) -> None:
+def test_manifest_records_step_world_size_time_versions_identity_and_checksums(tmp_path) -> None:
     model, opt = tiny()
-    mgr = manager(str(tmp_path), digest="abc")
-    mgr.save(3, model=model, optimizer=opt, extra={}, blocking=True)
+    mgr = manager(str(tmp_path), identity={"train.seed": 3, "model.width": 8})
+    mgr.save(3, objects(model, opt), blocking=True)
     manifest = json.loads((tmp_path / "step-000000003" / "manifest.json").read_text())
     assert manifest["step"] == 3 and manifest["world_size"] == 1 and manifest["time"] > 0
-    assert manifest["config_digest"] == "abc" and manifest["model_config"] == MODEL_CONFIG
+    assert manifest["identity"] == {"train.seed": 3, "model.width": 8} and len(manifest["identity_digest"]) == 16
+    assert mgr.list()[0].identity == manifest["identity"]
     assert manifest["versions"]["torch"] == torch.__version__ and "elastic_ddp" in manifest["versions"]
     on_disk = {p.name: p.stat().st_size for p in (tmp_path / "step-000000003").iterdir() if p.name != "manifest.json"}
     assert {n: f["size"] for n, f in manifest["files"].items()} == on_disk
@@ -200,13 +224,23 @@ def test_resolve_follows_the_resume_setting(mem_url: str) -> None:
     assert manager(f"{mem_url}/empty").resolve("auto") is None
 
 
-def test_resume_from_another_model_config_is_refused_naming_the_field(mem_url: str) -> None:
+def test_loading_state_the_checkpoint_lacks_is_refused_naming_it(mem_url: str) -> None:
     model, opt = tiny()
     save_steps(manager(mem_url), model, opt, [1])
-    other = manager(mem_url, digest="digest-2", model_config={"n_layer": 4, "n_embd": 8})
-    with pytest.raises(ConfigMismatchError, match="n_layer") as err:
-        other.resolve("auto")
-    assert err.value.differing == ["n_layer"]
+    mgr = manager(mem_url)
+    with pytest.raises(CheckpointError, match="no state named 'scaler'.*'extra', 'model', 'optim'"):
+        mgr.load(mgr.latest(), objects(model, opt, scaler=Box(scale=1.0)))
+
+
+def test_rank_state_is_not_restored_at_another_world_size(mem_url: str) -> None:
+    model, opt = tiny()
+    mgr = manager(mem_url)
+    mgr.save(1, objects(model, opt), rank_state={"rng": RNGState()}, blocking=True)
+    info = mgr.latest()
+    assert mgr.load(info, objects(model, opt), rank_state={"rng": RNGState()})
+    resized = CheckpointInfo.from_manifest(info.url, {**info.manifest, "world_size": 2})
+    assert not mgr.load(resized, objects(model, opt), rank_state={"rng": RNGState()})
+    assert not mgr.load(info, objects(model, opt))
 
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate"])
@@ -229,7 +263,7 @@ def test_damaged_shard_fails_verify_and_latest_falls_back_with_a_warning(tmp_pat
     assert info.step == 1
     assert "step-000000002" in caplog.text and "__0_0.distcp" in caplog.text
     fresh_model, fresh_opt = tiny(seed=5)
-    mgr.load(info, model=fresh_model, optimizer=fresh_opt)
+    mgr.load(info, objects(fresh_model, fresh_opt))
     assert_same(fresh_model, fresh_opt, snaps[1])
     # Training reaches step 2 again: a sound save replaces the damaged one instead of being skipped.
     save_steps(mgr, fresh_model, fresh_opt, [2])
@@ -261,7 +295,7 @@ def test_tampered_metadata_is_refused_before_anything_is_unpickled(tmp_path) -> 
     assert mgr.latest().step == 1
     tampered = mgr.list()[-1]
     with pytest.raises(CheckpointError, match=r"\.metadata"):
-        mgr.load(tampered, model=model, optimizer=opt)
+        mgr.load(tampered, objects(model, opt))
     assert ckpt_cli.main(["ckpt", "verify", tampered.url]) == 1
     assert ckpt_cli.main(["ckpt", "export", tampered.url, str(tmp_path / "out.pt")]) == 1
     assert not os.path.exists(marker)
@@ -288,7 +322,7 @@ def test_signed_manifest_refuses_unsigned_and_re_checksummed_checkpoints(tmp_pat
         _tamper_metadata(root / "step-000000003", marker, rewrite_manifest=True)
         assert mgr.latest().step == 2
         with pytest.raises(CheckpointError, match="not signed"):
-            mgr.load(mgr.list()[-1], model=model, optimizer=opt)
+            mgr.load(mgr.list()[-1], objects(model, opt))
         with pytest.raises(CheckpointError, match="verification"):
             mgr.resolve("3")
     assert key not in caplog.text
@@ -348,7 +382,7 @@ def test_a_group_fenced_by_a_newer_round_neither_clears_nor_commits(tmp_path, mo
     (in_flight / "__0_0.distcp").write_bytes(b"the new group's save in progress")
 
     train(model, opt)
-    stale.save(2, model=model, optimizer=opt)
+    stale.save(2, objects(model, opt))
     assert not stale.wait()
     assert "stale writer" in stale.last_error and "round 4" in stale.last_error
     assert (in_flight / "__0_0.distcp").read_bytes() == b"the new group's save in progress"
@@ -363,7 +397,7 @@ def test_a_writer_held_before_its_commit_while_a_newer_group_claims_the_run_does
     model, opt = tiny()
     stale = manager(str(root), rdzv_round=0)
     monkeypatch.setenv(ENV_FAULT_POINT, f"before_manifest:0:wait={release}")
-    stale.save(5, model=model, optimizer=opt)  # async: held in the background before the manifest
+    stale.save(5, objects(model, opt))  # async: held in the background before the manifest
     wait_for(lambda: (root / "step-000000005" / ".metadata").exists(), 30, what="the shards of step 5")
     manager(str(root), rdzv_round=1)
     release.touch()

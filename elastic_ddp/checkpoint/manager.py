@@ -9,10 +9,17 @@ Layout under ``cfg.url``::
 
 Contracts:
 
+* What is saved is a mapping of names to stateful objects (``state_dict()``/``load_state_dict()``,
+  see :mod:`elastic_ddp.state`) that hold the same values on every rank -- DDP's replicated model,
+  optimizer, scheduler, data cursor -- plus, optionally, per-rank objects whose values differ by
+  rank (random generators). Replicated state is written once in total (each rank writes a share);
+  per-rank state by each rank for itself, and restored only at the same world size.
 * Every rank of the process group constructs the manager, and calls :meth:`save`, :meth:`latest`,
   :meth:`resolve`, :meth:`load`, :meth:`wait` and :meth:`close` in the same order with the same
   arguments (step): they are collective on the checkpoint's own gloo group. Without an initialized
   process group the manager works alone (world size 1): the CLI and unit tests.
+* The manager records the run's *identity* (the settings a resume must not change) in every
+  manifest; deciding whether a checkpoint may be resumed is the caller's.
 * Only directories with a parseable manifest are checkpoints. A checkpoint is loaded only after
   each of its files matched the manifest's size and SHA-256 (and, with
   ``ELASTIC_DDP_CHECKPOINT_KEY`` set, after the manifest's signature checked out).
@@ -26,17 +33,16 @@ import concurrent.futures
 import importlib.metadata
 import json
 import logging
-import pickle
 import re
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from elastic_ddp.checkpoint import fence
 from elastic_ddp.checkpoint import manifest as mf
@@ -51,6 +57,7 @@ from elastic_ddp.checkpoint.dcp_io import (
 )
 from elastic_ddp.checkpoint.storage import Storage, StorageError, join, normalize_url
 from elastic_ddp.config import CheckpointConfig
+from elastic_ddp.state import RESERVED_PREFIX, Stateful, check_stateful
 
 log = logging.getLogger("elastic_ddp.checkpoint")
 
@@ -61,16 +68,26 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be found, verified or used. The message names it and says why."""
 
 
-class ConfigMismatchError(CheckpointError):
-    """The checkpoint was saved with another model configuration (``differing`` names the fields)."""
-
-    def __init__(self, message: str, differing: list[str]) -> None:
-        super().__init__(message)
-        self.differing = differing
-
-
 def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def _rank_key(rank: int) -> str:
+    return f"{RESERVED_PREFIX}{rank}"
+
+
+def _state_dicts(state: Mapping[str, Stateful]) -> dict[str, Any]:
+    """``{name: obj.state_dict()}``, after checking that every name and object can be checkpointed."""
+    out = {}
+    for name, obj in state.items():
+        check_stateful(name, obj)
+        out[name] = obj.state_dict()
+    return out
+
+
+def _saved_names(reader: VerifiedReader) -> set[str]:
+    """Top-level state names stored in a checkpoint (from its verified DCP metadata)."""
+    return {fqn.split(".", 1)[0] for fqn in reader.read_metadata().state_dict_metadata}
 
 
 @dataclass(frozen=True)
@@ -82,8 +99,8 @@ class CheckpointInfo:
     world_size: int
     bytes: int
     time: float
-    config_digest: str
-    model_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    identity_digest: str
+    identity: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     manifest: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -94,8 +111,8 @@ class CheckpointInfo:
             world_size=manifest["world_size"],
             bytes=int(manifest.get("bytes", 0)),
             time=float(manifest.get("time", 0.0)),
-            config_digest=manifest["config_digest"],
-            model_config=dict(manifest.get("model_config") or {}),
+            identity_digest=manifest["identity_digest"],
+            identity=dict(manifest["identity"]),
             manifest=manifest,
         )
 
@@ -106,7 +123,8 @@ class CheckpointInfo:
             "world_size": self.world_size,
             "bytes": self.bytes,
             "time": self.time,
-            "config_digest": self.config_digest,
+            "identity_digest": self.identity_digest,
+            "identity": self.identity,
             "versions": self.manifest.get("versions", {}),
             "signed": "signature" in self.manifest,
             "rdzv_round": self.manifest.get("rdzv_round"),
@@ -201,21 +219,19 @@ def retention_plan(
 class CheckpointManager:
     """Saves, lists, verifies, selects and loads checkpoints of one run (see the module docstring).
 
-    ``config_digest`` is recorded in every manifest; a checkpoint with another digest is refused
-    by :meth:`resolve` and :meth:`load`. ``model_config`` (optional) is recorded too, so a refusal
-    can name the differing fields. ``process_group``: the group whose ranks share the checkpoint
-    (default: the world); the manager creates a gloo group of its own over those ranks, collectively.
-    ``rdzv_round``: the rendezvous round this worker group was formed in; when given, rank 0 claims
-    the URL for this round and refuses to commit once a newer group claimed it (see
-    :mod:`elastic_ddp.checkpoint.fence`). None: no fencing (a job without this package's rendezvous).
+    ``identity`` (JSON-able values by setting name, e.g. ``{"train.seed": 1337}``) is recorded in
+    every manifest (see :attr:`CheckpointInfo.identity`). ``process_group``: the group whose ranks
+    share the checkpoint (default: the world); the manager creates a gloo group of its own over those
+    ranks, collectively. ``rdzv_round``: the rendezvous round this worker group was formed in; when
+    given, rank 0 claims the URL for this round and refuses to commit once a newer group claimed it
+    (see :mod:`elastic_ddp.checkpoint.fence`). None: no fencing (a job without this package's rendezvous).
     """
 
     def __init__(
         self,
         cfg: CheckpointConfig,
         *,
-        config_digest: str,
-        model_config: dict[str, Any] | None = None,
+        identity: Mapping[str, Any] | None = None,
         process_group: Any = None,
         rdzv_round: int | None = None,
     ) -> None:
@@ -224,8 +240,7 @@ class CheckpointManager:
         self.cfg = cfg
         self.url = normalize_url(cfg.url)
         self.storage = Storage(self.url, cfg.storage_options)
-        self.config_digest = config_digest
-        self.model_config = dict(model_config or {})
+        self.identity = dict(identity or {})
         self._distributed = dist.is_available() and dist.is_initialized()
         self._pg: Any = None
         if self._distributed:
@@ -244,6 +259,7 @@ class CheckpointManager:
         self._verified: set[tuple[str, str]] = set()
         self._failed_verification: set[str] = set()
         self.failed_saves = 0
+        self.consecutive_failed_saves = 0
         self.last_error: str | None = None
         self.last_save: SaveStats | None = None
         self._last_ok = True
@@ -257,19 +273,19 @@ class CheckpointManager:
     def save(
         self,
         step: int,
+        state: Mapping[str, Stateful],
         *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        extra: dict[str, Any] | None = None,
+        rank_state: Mapping[str, Stateful] | None = None,
         blocking: bool | None = None,
     ) -> bool:
-        """Checkpoint ``model`` (the unwrapped module), ``optimizer`` and ``extra`` as step ``step``.
+        """Checkpoint ``state`` (replicated: the same values on every rank) and ``rank_state``
+        (this rank's own values) as step ``step``.
 
-        ``extra``: small picklable values (scheduler state, data cursor, RNG state, ...); the values
-        of rank 0 are saved. ``blocking`` None follows ``cfg.async_save``. An async save returns once
-        the state is copied to host memory; the write and commit run in the background. A previous
-        save still in flight is waited for first. Failures do not raise: they are logged, counted in
-        ``failed_saves`` and described in ``last_error``. Returns False if a blocking save failed.
+        ``blocking`` None follows ``cfg.async_save``. An async save returns once the state is copied
+        to host memory; the write and commit run in the background. A previous save still in flight is
+        waited for first. Failures do not raise: they are logged, counted in ``failed_saves`` (and
+        ``consecutive_failed_saves``) and described in ``last_error``. Returns False if a blocking save
+        failed.
         """
         if self._closed:
             raise RuntimeError("This CheckpointManager is closed; no more saves can be started.")
@@ -278,15 +294,12 @@ class CheckpointManager:
         blocking = (not self.cfg.async_save) if blocking is None else blocking
         self.wait()
         start = time.perf_counter()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        if self.rank == 0:
-            # One opaque item, written by rank 0 only: its structure is unknown at load time, so it
-            # cannot be a nested dict DCP would flatten into keys the loader must know in advance.
-            state["extra"] = pickle.dumps(dict(extra or {}))
+        snapshot = _state_dicts(state)
+        if rank_state:
+            snapshot[_rank_key(self.rank)] = _state_dicts(rank_state)
         if blocking:
-            return self._save_now(step, state, start, stall_s=None)
-        staged = self._stager.stage(state)
+            return self._save_now(step, snapshot, start, stall_s=None)
+        staged = self._stager.stage(snapshot)
         stall = time.perf_counter() - start
         self._pending = self._executor.submit(self._save_now, step, staged, start, stall)
         return True
@@ -315,6 +328,7 @@ class CheckpointManager:
             nbytes = self._write_and_commit(step, ckpt_url, state)
         except DCP_ERRORS as exc:  # a failed save must never take training down; it is surfaced instead
             self.failed_saves += 1
+            self.consecutive_failed_saves += 1
             self.last_error = f"The checkpoint of step {step} at {ckpt_url!r} failed: {describe_error(exc)}"
             log.error("[%d/%d] %s", self.rank, step, self.last_error)
             # A fenced group leaves the directory alone: the group that owns the run may be writing it.
@@ -323,6 +337,7 @@ class CheckpointManager:
             self._last_ok = False
             return False
         self._last_ok = True
+        self.consecutive_failed_saves = 0
         if nbytes is None:
             return True  # already committed by an earlier save of the same step
         elapsed = time.perf_counter() - start
@@ -417,8 +432,7 @@ class CheckpointManager:
             world_size=self.world_size,
             time_s=time.time(),
             versions=_versions(),
-            config_digest=self.config_digest,
-            model_config=self.model_config,
+            identity=self.identity,
             files=files,
             rdzv_round=self.rdzv_round,
         )
@@ -509,7 +523,7 @@ class CheckpointManager:
 
         ``'auto'``: newest committed, verified checkpoint or None; ``'never'``: None; a step number:
         that step; a URL: that checkpoint. Raises CheckpointError if an explicitly named checkpoint
-        is missing or fails verification, ConfigMismatchError if its config digest differs.
+        is missing or fails verification.
         """
         resume = resume.strip()
         if resume == "never":
@@ -532,26 +546,7 @@ class CheckpointManager:
                     f"checkpoint.resume={resume!r}: file {result.bad_file!r} of {ckpt_url!r} failed "
                     f"verification ({result.reason})."
                 )
-        if info is not None:
-            self._check_digest(info)
         return info
-
-    def _check_digest(self, info: CheckpointInfo) -> None:
-        if info.config_digest == self.config_digest:
-            return
-        differing = sorted(
-            key
-            for key in set(info.model_config) | set(self.model_config)
-            if info.model_config.get(key) != self.model_config.get(key)
-        )
-        detail = ", ".join(
-            f"{k}: checkpoint {info.model_config.get(k)!r} vs now {self.model_config.get(k)!r}" for k in differing
-        )
-        raise ConfigMismatchError(
-            f"Checkpoint {info.url!r} was saved with config digest {info.config_digest!r}, but this run "
-            f"has {self.config_digest!r}" + (f" (differing: {detail})." if detail else "."),
-            differing,
-        )
 
     def _verify_collective(self, info: CheckpointInfo, storage: Storage | None = None) -> mf.VerifyResult:
         """Every rank checks a share of the files; all ranks get the same verdict."""
@@ -567,13 +562,23 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------ loading
 
-    def load(self, info: CheckpointInfo, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Load ``info`` into ``model`` (unwrapped) and ``optimizer`` at any world size; return ``extra``.
+    def load(
+        self,
+        info: CheckpointInfo,
+        state: Mapping[str, Stateful],
+        *,
+        rank_state: Mapping[str, Stateful] | None = None,
+    ) -> bool:
+        """Load ``info`` into ``state`` (and ``rank_state``), at any world size; collective.
 
-        Collective. The checkpoint is verified first unless this manager already verified it.
+        Every object of ``state`` must be in the checkpoint (a :class:`CheckpointError` names the
+        missing ones); objects in the checkpoint but not in ``state`` are left alone. Tensors are
+        loaded in place into what the objects' ``state_dict()`` returns, then handed to their
+        ``load_state_dict()``. ``rank_state`` is restored only when the checkpoint was written at this
+        world size and every rank could restore its own; returns whether it was (False also
+        without ``rank_state``). The checkpoint is verified first unless this manager already verified it.
         """
         self.wait()
-        self._check_digest(info)
         storage = self.storage if info.url.startswith(self.url) else Storage(info.url, self.cfg.storage_options)
         if (info.url, mf.hash_bytes(mf.canonical_json(info.manifest))) not in self._verified:
             result = self._verify_collective(info, storage)
@@ -582,18 +587,51 @@ class CheckpointManager:
                     f"Checkpoint {info.url!r} cannot be loaded: file {result.bad_file!r} failed verification "
                     f"({result.reason})."
                 )
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "extra": b""}
         reader = VerifiedReader(info.url, self.cfg.storage_options, info.manifest["files"])
+        template = _state_dicts(state)
+        saved = _saved_names(reader)
+        missing = sorted(set(template) - saved)
+        if missing:
+            raise CheckpointError(
+                f"Checkpoint {info.url!r} has no state named {', '.join(repr(m) for m in missing)}; it holds "
+                f"{sorted(n for n in saved if not n.startswith(RESERVED_PREFIX))}. It was saved by a run that "
+                "did not register it."
+            )
         try:
-            dcp.load(state, storage_reader=reader, process_group=self._pg)
+            dcp.load(template, storage_reader=reader, process_group=self._pg)
         except DCP_ERRORS as exc:  # DCP wraps each rank's failure in its CheckpointException: name the checkpoint
             raise CheckpointError(f"Loading checkpoint {info.url!r} failed: {describe_error(exc)}") from exc
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for name, obj in state.items():
+            try:
+                obj.load_state_dict(template[name])
+            except Exception as exc:  # the object's own check (shapes, keys) failed: name it
+                raise CheckpointError(
+                    f"Loading {name!r} from checkpoint {info.url!r} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+        restored = self._load_rank_state(info, rank_state) if rank_state else False
         self._resumed_step = info.step
         log.info("[%d/%d] Resumed from %s (saved at world size %d).", self.rank, info.step, info.url, info.world_size)
-        # Safe to unpickle: the file holding it matched the manifest.
-        return pickle.loads(state["extra"]) if state["extra"] else {}  # noqa: S301
+        return restored
+
+    def _load_rank_state(self, info: CheckpointInfo, rank_state: Mapping[str, Stateful]) -> bool:
+        """Restore this rank's own state from ``info`` when every rank can; returns whether all did."""
+        ok = info.world_size == self.world_size
+        if ok:
+            key = _rank_key(self.rank)
+            template = {key: _state_dicts(rank_state)}
+            reader = VerifiedReader(info.url, self.cfg.storage_options, info.manifest["files"])
+            try:
+                # Each rank reads only its own items: no collective.
+                dcp.load(template, storage_reader=reader, no_dist=True)
+            except DCP_ERRORS as exc:
+                log.warning("[%d/%d] This rank's own state in %s cannot be restored: %s", self.rank, info.step,
+                            info.url, describe_error(exc))  # fmt: skip
+                ok = False
+        ok = all(self._all_gather(ok))
+        if ok:
+            for name, obj in rank_state.items():
+                obj.load_state_dict(template[key][name])
+        return ok
 
     # ------------------------------------------------------------------------------- collectives
 

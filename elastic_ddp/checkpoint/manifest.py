@@ -29,7 +29,7 @@ from elastic_ddp.checkpoint.storage import Storage, join
 ENV_CHECKPOINT_KEY = "ELASTIC_DDP_CHECKPOINT_KEY"
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CHECKSUM_ALGORITHM = "sha256"
 _CHUNK = 8 << 20
 
@@ -71,6 +71,11 @@ def hash_stream(stream: Any) -> tuple[int, str]:
         hasher.update(chunk)
         size += len(chunk)
     return size, hasher.hexdigest()
+
+
+def identity_digest(identity: dict[str, Any]) -> str:
+    """First 16 hex digits of the SHA-256 of ``identity`` as canonical JSON."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def hash_bytes(data: bytes) -> str:
@@ -122,12 +127,14 @@ def build(
     world_size: int,
     time_s: float,
     versions: dict[str, str],
-    config_digest: str,
-    model_config: dict[str, Any] | None,
+    identity: dict[str, Any],
     files: list[FileRecord],
     rdzv_round: int | None = None,
 ) -> dict[str, Any]:
     """The manifest dict for a checkpoint (signed when a key is set). ``files`` must be every file.
+
+    ``identity``: the run's identity (JSON values of the settings a resume must not change), stored
+    whole and as :func:`identity_digest`, so a refused resume can name the fields that differ.
 
     ``rdzv_round``: the rendezvous round of the group that committed it (None outside one), for
     the record: which group wrote what is then visible in ``elastic-ddp ckpt list --json``.
@@ -138,8 +145,8 @@ def build(
         "world_size": world_size,
         "time": time_s,
         "versions": versions,
-        "config_digest": config_digest,
-        "model_config": model_config or {},
+        "identity_digest": identity_digest(identity),
+        "identity": identity,
         "checksum": CHECKSUM_ALGORITHM,
         "bytes": sum(f.size for f in files),
         "files": {f.name: f.to_json() for f in sorted(files, key=lambda f: f.name)},
@@ -162,7 +169,9 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
         raise ManifestError(
             f"The manifest {where} has format {manifest.get('format')!r}; this version reads format {FORMAT_VERSION}."
         )
-    for field, kind in (("step", int), ("world_size", int), ("files", dict), ("config_digest", str)):
+    for field, kind in (
+        ("step", int), ("world_size", int), ("files", dict), ("identity_digest", str), ("identity", dict),
+    ):  # fmt: skip
         if not isinstance(manifest.get(field), kind):
             raise ManifestError(f"The manifest {where} lacks a valid {field!r} field.")
     for name, rec in manifest["files"].items():

@@ -24,8 +24,26 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_ddp.checkpoint import ENV_FAULT_POINT, CheckpointManager
 from elastic_ddp.config import CheckpointConfig
+from elastic_ddp.state import ModelState, OptimizerState
 
-DIGEST = "worker-digest"
+IDENTITY = {"worker": "ckpt_worker"}
+
+
+class Progress:
+    """The step and world size a checkpoint was saved at (a user's own stateful object)."""
+
+    def __init__(self, step: int = -1, world: int = -1) -> None:
+        self.step, self.world = step, world
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "world": self.world}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.world = state["step"], state["world"]
+
+
+def objects(model: torch.nn.Module, opt: torch.optim.Optimizer, progress: Progress) -> dict:
+    return {"model": ModelState(model), "optim": OptimizerState(model, opt), "progress": progress}
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -68,7 +86,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build()
     ddp = DDP(model)
-    mgr = CheckpointManager(CheckpointConfig(url=args.url, keep_last=10), config_digest=DIGEST)
+    mgr = CheckpointManager(CheckpointConfig(url=args.url, keep_last=10), identity=IDENTITY)
 
     if args.mode == "save":
         expected = None
@@ -77,7 +95,7 @@ def main() -> int:
             if step in args.save_at:
                 if step == args.fault_step:
                     os.environ[ENV_FAULT_POINT] = args.fault
-                mgr.save(step, model=model, optimizer=opt, extra={"step": step, "world": world}, blocking=False)
+                mgr.save(step, objects(model, opt, Progress(step, world)), blocking=False)
                 expected = snapshot(model, opt)
                 # Keep changing the tensors while the background write runs.
                 with torch.no_grad():
@@ -93,7 +111,8 @@ def main() -> int:
     if info is None:
         print("no checkpoint", file=sys.stderr)
         return 4
-    extra = mgr.load(info, model=model, optimizer=opt)
+    progress = Progress()
+    mgr.load(info, objects(model, opt, progress))
     expected = torch.load(args.dump, weights_only=True)
     got = snapshot(model, opt)
     for key, value in expected["model"].items():
@@ -103,8 +122,8 @@ def main() -> int:
         for key, value in state.items():
             if not torch.equal(torch.as_tensor(got["optim"][index][key]), torch.as_tensor(value)):
                 raise SystemExit(f"rank {rank}: optimizer state {index}.{key} differs after load")
-    if extra.get("step") != info.step:
-        raise SystemExit(f"rank {rank}: extra {extra} does not match step {info.step}")
+    if (progress.step, progress.world) != (info.step, info.world_size):
+        raise SystemExit(f"rank {rank}: progress {progress.state_dict()} does not match step {info.step}")
     train_step(ddp, opt, info.step + 1, rank)
     mgr.close()
     print(f"rank {rank}/{world}: resumed step {info.step} saved at world size {info.world_size}: OK", flush=True)
