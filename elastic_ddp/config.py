@@ -1,28 +1,51 @@
-"""The one place every setting is declared, documented and validated.
+"""The one place every setting is declared, documented and validated -- the library's and the user's.
 
-A run's configuration is a tree of pydantic models, one section per component. Each component
-takes its own section (``cfg.checkpoint`` for the checkpoint manager, ``cfg.data`` for the data
-pipeline, ...). Values come from, in increasing priority:
+A run's configuration is a tree of pydantic models: a :class:`Config` whose fields are *sections*
+(:class:`Section` subclasses), one per component. The library's sections are ``run``, ``train``,
+``data``, ``checkpoint``, ``logging`` and ``dist``; a training script adds its own by subclassing
+:class:`Config`, and may extend a library section by subclassing it (``class Train(TrainConfig):
+lr: float = 0.1`` keeps ``train.max_steps`` and adds ``train.lr``)::
 
-1. the defaults below (CPU-friendly: a recipe with no flags at all trains a small model),
+    class ModelSettings(Section):
+        identity: ClassVar[bool] = True          # every field shapes the run (see below)
+        hidden: int = Field(64, gt=0, description="Width of the hidden layer.")
+
+    class Settings(Config):
+        model: ModelSettings = Field(default_factory=ModelSettings)
+
+Values come from, in increasing priority:
+
+1. the defaults (CPU-friendly: a script with no flags at all trains),
 2. an optional YAML file (``--config FILE``),
-3. ``--section.field=value`` flags (values are parsed as YAML scalars, so ``--train.lr=1e-3``,
+3. ``--section.field=value`` flags (values are parsed as YAML scalars, so ``--train.seed=7``,
    ``--checkpoint.async_save=false`` and ``--checkpoint.keep_every=null`` work).
 
 Every problem is reported before any process group is created, as a :class:`ConfigError` whose
 message names the field, the value and what is allowed.
+
+**Identity.** Some settings must not change while a run resumes from its checkpoints: the seed
+(data order, initialisation), the global batch size, the model's shape, anything the user says
+shapes their run. A whole section is part of the identity when it sets ``identity: ClassVar[bool] =
+True``; a single field when it is annotated ``Annotated[type, IDENTITY]``. :meth:`Config.identity`
+collects them; every checkpoint records them and a resume with other values is refused, naming
+the fields (``checkpoint.allow_identity_change=true`` allows it).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+import sys
+import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "IDENTITY", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "LoggingConfig",
+    "RunConfig", "Section", "TrainConfig", "identity_differences", "load_config",
+]  # fmt: skip
 
 # torchrun sets this for every worker of a job; it names the run when the user did not.
 ENV_TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
@@ -32,16 +55,55 @@ class ConfigError(ValueError):
     """A configuration value, key or file is not acceptable. The message says which and why."""
 
 
+class _IdentityMarker:
+    """Marks a field as part of the run's identity: ``Annotated[int, IDENTITY]``."""
+
+    def __repr__(self) -> str:
+        return "IDENTITY"
+
+
+IDENTITY = _IdentityMarker()
+
+
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
+    """Base of every config section: unknown keys are errors, assignments are validated.
+
+    ``identity = True`` (a ``ClassVar``) makes every field of the section part of the run's identity.
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    identity: ClassVar[bool] = False
+
+
+def default_run_name() -> str:
+    """The run's name when ``run.name`` is empty: torchrun's ``--rdzv-id``, else the script's name.
+
+    ``torchrun --standalone`` (and torchrun without ``--rdzv-id``) invents a random run id at every
+    launch; a run named after it would start over on every relaunch instead of resuming. Such an id
+    (a UUID) is ignored, as is a missing one: the run is then named after the script (``train`` for
+    ``recipes/train.py``), the same at every launch.
+    """
+    run_id = os.environ.get(ENV_TORCHELASTIC_RUN_ID, "")
+    if run_id and not _is_uuid(run_id):
+        return run_id
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    return script or "default"
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        return str(uuid.UUID(text)) == text.lower()
+    except ValueError:
+        return False
 
 
 class RunConfig(Section):
     name: str = Field(
         default="",
-        description="Name of the run. Empty: torchrun's --rdzv-id (TORCHELASTIC_RUN_ID), else 'default'.",
+        description=(
+            "Name of the run. Empty: torchrun's --rdzv-id, else the training script's name (a random id "
+            "from torchrun --standalone is not used: a relaunch must find the same run)."
+        ),
     )
     root: str = Field(
         default="runs",
@@ -56,7 +118,7 @@ class RunConfig(Section):
 
 class TrainConfig(Section):
     max_steps: int = Field(default=300, gt=0, description="Number of optimizer steps of the whole run.")
-    global_batch_size: int = Field(
+    global_batch_size: Annotated[int, IDENTITY] = Field(
         default=32,
         gt=0,
         description="Samples per optimizer step, summed over all ranks. Fixed while ranks come and go.",
@@ -69,12 +131,9 @@ class TrainConfig(Section):
             "into micro-batches with gradient accumulation. 0: no limit."
         ),
     )
-    lr: float = Field(default=3e-3, gt=0, description="Peak learning rate (AdamW).")
-    min_lr: float = Field(default=3e-4, ge=0, description="Learning rate at the end of the cosine decay.")
-    warmup_steps: int = Field(default=20, ge=0, description="Steps of linear learning-rate warm-up.")
-    weight_decay: float = Field(default=0.1, ge=0, description="AdamW weight decay.")
-    grad_clip: float = Field(default=1.0, ge=0, description="Clip the global gradient norm to this. 0: off.")
-    seed: int = Field(default=1337, ge=0, description="Seed of model init, data order and dropout.")
+    seed: Annotated[int, IDENTITY] = Field(
+        default=1337, ge=0, description="Seed of initialisation, data order and random generators."
+    )
     exit_at_step: int = Field(
         default=0,
         ge=0,
@@ -85,56 +144,17 @@ class TrainConfig(Section):
         ),
     )
 
-    @model_validator(mode="after")
-    def _check_lr(self) -> TrainConfig:
-        if self.min_lr > self.lr:
-            raise ValueError(f"train.min_lr ({self.min_lr}) must not exceed train.lr ({self.lr}).")
-        return self
-
-
-class ModelConfig(Section):
-    """Shape of the byte-level transformer. Every field here shapes the checkpoint: a checkpoint
-    saved with other values is refused on resume (see :meth:`Config.model_digest`)."""
-
-    block_size: int = Field(default=64, gt=0, description="Context length in bytes.")
-    n_layer: int = Field(default=2, gt=0, description="Number of transformer blocks.")
-    n_head: int = Field(default=4, gt=0, description="Attention heads per block.")
-    n_embd: int = Field(default=128, gt=0, description="Embedding width; a multiple of model.n_head.")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout probability.")
-
-    @model_validator(mode="after")
-    def _check_heads(self) -> ModelConfig:
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})."
-            )
-        return self
-
 
 class DataConfig(Section):
-    path: str = Field(
-        default="",
-        description=(
-            "Text files to train on: a file, a directory (read recursively) or an fsspec URL "
-            "(s3://bucket/prefix). Empty: the Python standard library's own source files."
-        ),
-    )
-    glob: str = Field(default="**/*.py", description="Which files of a directory data.path to read.")
-    max_bytes: int = Field(
-        default=8_000_000, gt=0, description="Read at most this many bytes of text (files in sorted order)."
-    )
     num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes per rank.")
     prefetch_batches: int = Field(
-        default=2, ge=1, description="Batches a loader worker prepares ahead (only with data.num_workers > 0)."
-    )
-    storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="fsspec options for a remote data.path."
+        default=2, ge=1, description="Steps a loader worker prepares ahead (only with data.num_workers > 0)."
     )
     ledger: bool = Field(
         default=False,
         description=(
-            "Record every step's sample indices and loss per rank under <run dir>/ledger/ "
-            "(an audit of exactly-once sample order; see elastic_ddp/data/ledger.py)."
+            "Record every step's sample indices and loss per rank under <run dir>/ledger/ (an audit of "
+            "exactly-once sample order; costs one host sync per step; see elastic_ddp/data/ledger.py)."
         ),
     )
 
@@ -156,6 +176,28 @@ class CheckpointConfig(Section):
     resume: str = Field(
         default="auto",
         description="'auto': newest committed, verified checkpoint under checkpoint.url; 'never'; a step number; or a checkpoint URL.",
+    )
+    overwrite: bool = Field(
+        default=False,
+        description=(
+            "With checkpoint.resume=never on a checkpoint.url that already holds checkpoints: delete them "
+            "and start a new run there. Without it, such a start is refused (it would mix two runs)."
+        ),
+    )
+    allow_identity_change: bool = Field(
+        default=False,
+        description=(
+            "Resume a checkpoint saved with other values of the run's identity settings (seed, global batch "
+            "size, the model's shape, ...). Without it, such a resume is refused, naming the fields that differ."
+        ),
+    )
+    max_failed_saves: int = Field(
+        default=3,
+        ge=1,
+        description=(
+            "Periodic saves that may fail in a row before the job stops with an error (a job must not "
+            "train on for days while every save fails). A failed final or stop save always stops it."
+        ),
     )
     grace_s: float = Field(
         default=20.0,
@@ -229,41 +271,78 @@ class DistConfig(Section):
 
 
 class Config(Section):
+    """The library's sections; a training script subclasses it to add (or extend) sections."""
+
     run: RunConfig = Field(default_factory=RunConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
 
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        for name, info in cls.model_fields.items():
+            kind = info.annotation
+            if not (isinstance(kind, type) and issubclass(kind, Section)):
+                raise TypeError(
+                    f"{cls.__name__}.{name}: every field of a Config must be a section (a subclass of "
+                    "elastic_ddp.Section), because settings are given as --section.field=value; put "
+                    f"{name!r} into a section."
+                )
+
     @model_validator(mode="after")
     def _fill_run_paths(self) -> Config:
-        # Derived defaults are filled in here, once, so every component sees concrete values.
-        if not self.run.name:
-            self.run.name = os.environ.get(ENV_TORCHELASTIC_RUN_ID) or "default"
-        if not self.checkpoint.url:
-            self.checkpoint.url = f"{self.run.dir}/checkpoints"
-        if not self.logging.tensorboard_dir:
-            self.logging.tensorboard_dir = f"{self.run.dir}/tensorboard"
+        # Derived defaults are filled in here, once, so every component sees concrete values. They
+        # stay "unset": a config used as the defaults of load_config derives them again from the
+        # final run name and root.
+        for section, field, value in (
+            (self.run, "name", lambda: default_run_name()),
+            (self.checkpoint, "url", lambda: f"{self.run.dir}/checkpoints"),
+            (self.logging, "tensorboard_dir", lambda: f"{self.run.dir}/tensorboard"),
+        ):
+            if not getattr(section, field):
+                setattr(section, field, value())
+                section.__pydantic_fields_set__.discard(field)
         return self
 
-    def model_digest(self) -> str:
-        """A digest of every setting that shapes the model's tensors (the ``model`` section).
+    def identity(self) -> dict[str, Any]:
+        """The run's identity: ``{"section.field": value}`` of every setting a resume must not change.
 
-        Saved in each checkpoint; a resume with a different digest is refused.
+        Fields of sections with ``identity = True`` and fields annotated with :data:`IDENTITY`; values
+        as JSON. Recorded in every checkpoint (see the module docstring).
         """
-        canonical = json.dumps(self.model.model_dump(), sort_keys=True)
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        out: dict[str, Any] = {}
+        for section_name in type(self).model_fields:
+            section = getattr(self, section_name)
+            values = section.model_dump(mode="json")
+            for field_name, info in type(section).model_fields.items():
+                if type(section).identity or any(meta is IDENTITY for meta in info.metadata):
+                    out[f"{section_name}.{field_name}"] = values[field_name]
+        return out
 
     def to_yaml(self) -> str:
         """The whole configuration as YAML, with storage options (which may hold keys) redacted."""
-        data = self.model_dump()
-        for section in ("data", "checkpoint"):
-            data[section]["storage_options"] = {
-                key: "<redacted>" for key in data[section]["storage_options"]
-            }
+        data = self.model_dump(mode="json")
+        for section in data.values():
+            if isinstance(section, dict) and isinstance(section.get("storage_options"), dict):
+                section["storage_options"] = {key: "<redacted>" for key in section["storage_options"]}
         return yaml.safe_dump(data, sort_keys=False)
+
+
+def identity_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``"field: checkpoint X, now Y"`` for every identity field that differs (or exists on one side only)."""
+    missing = object()
+    lines = []
+    for key in sorted(set(saved) | set(now)):
+        before, after = saved.get(key, missing), now.get(key, missing)
+        if before != after:
+            def show(value: Any) -> str:
+                return "(not set)" if value is missing else repr(value)
+
+            lines.append(f"{key}: checkpoint {show(before)}, now {show(after)}")
+    return lines
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
@@ -302,14 +381,21 @@ def _parse_flag(flag: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def load_config(argv: list[str] | None = None) -> Config:
-    """Build the run's :class:`Config` from command-line arguments.
+def load_config(argv: list[str] | None = None, config: type[Config] | Config = Config) -> Config:
+    """Build the run's configuration from command-line arguments.
 
-    ``argv`` holds ``--config FILE`` / ``--config=FILE`` and ``--section.field=value`` items.
-    Raises :class:`ConfigError` naming the field (or file), the value and what is allowed.
+    ``config`` is the :class:`Config` subclass to build, or an instance whose values are the
+    defaults the arguments override. ``argv`` holds ``--config FILE`` / ``--config=FILE`` and
+    ``--section.field=value`` items. Raises :class:`ConfigError` naming the field (or file), the
+    value and what is allowed.
     """
+    if isinstance(config, Config):
+        cls, data = type(config), config.model_dump(exclude_unset=True)
+    elif isinstance(config, type) and issubclass(config, Config):
+        cls, data = config, {}
+    else:
+        raise TypeError(f"config must be a Config subclass or instance, not {config!r}.")
     argv = list(argv or [])
-    data: dict[str, Any] = {}
     overrides: list[str] = []
     config_file = ""
     index = 0
@@ -328,7 +414,7 @@ def load_config(argv: list[str] | None = None) -> Config:
         index += 1
 
     if config_file:
-        data = _read_yaml(config_file)
+        data = _merge(data, _read_yaml(config_file))
     for flag in overrides:
         (section, field), value = _parse_flag(flag)
         section_data = data.setdefault(section, {})
@@ -337,9 +423,19 @@ def load_config(argv: list[str] | None = None) -> Config:
         section_data[field] = value
     source = f"{config_file} and flags" if config_file else "flags"
     try:
-        return Config.model_validate(data)
+        return cls.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key].update(value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Process-group setup from torchrun's environment: backend, device and timeouts.
+"""Process-group setup from torchrun's environment: backend, device, timeouts and network interfaces.
 
 Workers started by torchrun find their place in the job in environment variables. A script run
 without torchrun (``python recipes/train.py``) becomes a job of one rank, so the same code path
@@ -12,6 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,15 @@ ENV_GROUP_RANK = "GROUP_RANK"
 ENV_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 # Set by this package's rendezvous handler in the agent, inherited by its workers.
 ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"
+# Network interfaces: NCCL's and gloo's own variables. The library's gloo groups (stop agreement,
+# checkpoints) must use the interface the user chose for NCCL on a multi-NIC node.
+ENV_NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+ENV_GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+# torch's NCCL watchdog: 2 ("clean up only") aborts the communicators on an error or timeout and
+# lets the training thread raise, so the failure is recorded; torch's default tears the process
+# down from the watchdog thread, before anything can record why.
+ENV_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERRORS_RAISE = "2"
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class DistContext:
     backend: str
     restart_count: int
     node_rank: int
+    local_world_size: int = 1
     rdzv_round: int | None = None  # None when the agent's rendezvous is not this package's
 
     @property
@@ -67,12 +78,44 @@ def resolve_backend(requested: str, cuda_available: bool) -> str:
     return requested
 
 
+def select_device(local_rank: int, cuda_devices: int, visible: str | None) -> torch.device:
+    """This rank's CUDA device: ``cuda:LOCAL_RANK`` when that many devices are visible, else the one
+    visible device (a scheduler that gives each process its own GPU through ``CUDA_VISIBLE_DEVICES``).
+
+    Raises ``ValueError`` naming ``LOCAL_RANK`` and ``CUDA_VISIBLE_DEVICES`` when neither fits.
+    """
+    if local_rank < cuda_devices:
+        return torch.device("cuda", local_rank)
+    if cuda_devices == 1:
+        return torch.device("cuda", 0)
+    raise ValueError(
+        f"LOCAL_RANK is {local_rank} but {cuda_devices} CUDA device(s) are visible "
+        f"(CUDA_VISIBLE_DEVICES={visible!r}): start at most one process per visible GPU "
+        "(torchrun --nproc-per-node), or give each process exactly one device."
+    )
+
+
+def gloo_interface_from_nccl(environ: dict[str, str]) -> str | None:
+    """The ``GLOO_SOCKET_IFNAME`` to use when only ``NCCL_SOCKET_IFNAME`` names interfaces, else None.
+
+    NCCL's value may be a prefix list (``eth,ib``), an exact list (``=eth0``) or an exclusion
+    (``^docker``); gloo takes exact names. Only an exact or plain list carries over; an exclusion or
+    an empty value leaves gloo to pick by host name, as before.
+    """
+    if environ.get(ENV_GLOO_SOCKET_IFNAME):
+        return None
+    value = environ.get(ENV_NCCL_SOCKET_IFNAME, "").strip()
+    if not value or value.startswith("^"):
+        return None
+    return value.removeprefix("=")
+
+
 def init_distributed(cfg: DistConfig) -> DistContext:
     """Create the default process group from torchrun's environment and pick this rank's device.
 
-    On CUDA machines each rank uses ``cuda:LOCAL_RANK`` and nccl; elsewhere the CPU and gloo.
-    ``cfg.timeout_s`` bounds every collective, so a dead or hung peer breaks the group in seconds
-    instead of torch's default 30 minutes, and torchrun can restart the workers.
+    On CUDA machines each rank uses its device (:func:`select_device`) and nccl; elsewhere the CPU and
+    gloo. ``cfg.timeout_s`` bounds every collective, so a dead or hung peer breaks the group in
+    seconds instead of torch's default 10 minutes, and torchrun can restart the workers.
     """
     if ENV_WORLD_SIZE not in os.environ:
         # Not under torchrun: a job of one rank on a private rendezvous.
@@ -84,12 +127,15 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     world_size = int(os.environ[ENV_WORLD_SIZE])
     local_rank = int(os.environ.get(ENV_LOCAL_RANK, "0"))
     backend = resolve_backend(cfg.backend, torch.cuda.is_available())
+    interface = gloo_interface_from_nccl(dict(os.environ))
+    if interface:
+        os.environ[ENV_GLOO_SOCKET_IFNAME] = interface
+        log.info("Using NCCL_SOCKET_IFNAME's interface(s) %s for the gloo groups too.", interface)
 
     if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+        device = select_device(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         torch.cuda.set_device(device)
-        # Surface NCCL errors and timeouts as exceptions in the training thread instead of a hang.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        os.environ.setdefault(ENV_NCCL_ASYNC_ERROR_HANDLING, NCCL_ERRORS_RAISE)
     else:
         device = torch.device("cpu")
 
@@ -112,8 +158,16 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         backend=backend,
         restart_count=restart_count,
         node_rank=int(os.environ.get(ENV_GROUP_RANK, "0")),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         rdzv_round=int(os.environ[ENV_RDZV_ROUND]) if os.environ.get(ENV_RDZV_ROUND, "").isdigit() else None,
     )
+
+
+def new_gloo_group(timeout_s: float) -> Any:
+    """A gloo group over all ranks (collective), for the library's host-side coordination; None alone."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def shutdown_distributed() -> None:

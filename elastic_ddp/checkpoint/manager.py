@@ -35,9 +35,10 @@ import json
 import logging
 import re
 import time
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -485,6 +486,65 @@ class CheckpointManager:
         """Committed checkpoints under ``cfg.url``, oldest first (not verified; local, not collective)."""
         return list_checkpoints(self.storage)
 
+    def list_collective(self) -> list[CheckpointInfo]:
+        """:meth:`list` read once by rank 0 and given to every rank (collective)."""
+        self.wait()
+        committed = self._broadcast(self.list, raise_errors=False)
+        if isinstance(committed, Exception):
+            raise CheckpointError(f"Listing checkpoints under {self.url!r} failed: {committed}") from committed
+        return committed
+
+    def remove_all(self) -> None:
+        """Delete every checkpoint under the URL, manifests first (collective; rank 0 deletes).
+
+        For a new run that is told to replace an old one; refused (:class:`~elastic_ddp.checkpoint.fence.
+        StaleWriterError`) when a newer group owns the URL.
+        """
+        self.wait()
+
+        def remove() -> None:
+            self._check_fence(f"delete the checkpoints under {self.url}")
+            for info in self.list():
+                self.storage.remove_file(join(info.url, mf.MANIFEST_NAME))
+                self.storage.remove_tree(info.url)
+
+        self._broadcast(remove)
+
+    def check_shared_storage(self) -> None:
+        """Prove that every rank sees the same checkpoint storage (collective).
+
+        Rank 0 writes a probe file with a random token under the URL; every rank reads it back. A
+        rank that cannot -- its node has its own disk behind a local path -- would write shards no
+        other node can read, and the checkpoints would never verify: raise :class:`CheckpointError`
+        on every rank, naming the URL and those ranks, before any training.
+        """
+
+        def write() -> tuple[str, str]:
+            token = uuid.uuid4().hex
+            probe = join(self.url, f".probe-{token}")
+            self.storage.makedirs(self.url)
+            self.storage.write_bytes_atomic(probe, token.encode())
+            return probe, token
+
+        path, token = self._broadcast(write)
+        try:
+            seen = self.storage.read_bytes(path).decode() == token
+        except (OSError, ValueError):
+            seen = False
+        blind = [rank for rank, ok in enumerate(self._all_gather(seen)) if not ok]
+        if self.rank == 0:
+            try:
+                self.storage.remove_file(path)
+            except StorageError as exc:  # a leftover probe is harmless; say so and go on
+                log.warning("[0/-] Could not remove the storage probe %s: %s", path, exc)
+        if blind:
+            raise CheckpointError(
+                f"checkpoint.url ({self.url}) is not storage shared by all nodes: rank(s) {blind} cannot read a "
+                "file rank 0 wrote there (a local path on machines with their own disks?). Checkpoints would be "
+                "split over the nodes and never resume. Set checkpoint.url to storage every node shares: an "
+                "object store (s3://...) or a shared filesystem."
+            )
+
     def verify(self, info: CheckpointInfo) -> mf.VerifyResult:
         """Check every file of ``info`` on this process alone (not collective)."""
         return verify_checkpoint(self.storage, info)
@@ -590,7 +650,8 @@ class CheckpointManager:
         reader = VerifiedReader(info.url, self.cfg.storage_options, info.manifest["files"])
         template = _state_dicts(state)
         saved = _saved_names(reader)
-        missing = sorted(set(template) - saved)
+        # An object with an empty state (a disabled GradScaler) leaves nothing in the checkpoint.
+        missing = sorted(name for name, values in template.items() if values and name not in saved)
         if missing:
             raise CheckpointError(
                 f"Checkpoint {info.url!r} has no state named {', '.join(repr(m) for m in missing)}; it holds "

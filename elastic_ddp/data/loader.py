@@ -1,69 +1,111 @@
-"""Per-step batches for one rank, as a pure function of the starting cursor.
+"""Per-step batches for one rank from any map-style dataset, as a pure function of the starting cursor.
 
 The training loop owns the cursor. :class:`StepBatches` only *reads* it: step ``k`` of the loader is
 computed from ``(start cursor, k)`` alone, so worker processes and prefetching can run ahead freely,
 and a batch that was prepared but never trained on is never counted. The cursor to checkpoint is
 always ``cursor_after`` of the last step the loop completed.
+
+A step's global batch is split over the ranks (:func:`~elastic_ddp.data.sampler.rank_bounds`) and each
+rank's share into micro-batches; each micro-batch is ``collate_fn([dataset[i] for i in indices])``
+(``torch.utils.data.default_collate`` by default: tuples, dicts and tensors of samples batch as usual).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
-from elastic_ddp.data.sampler import (
-    ByteWindows,
-    DataCursor,
-    ElasticSampler,
-    micro_batches,
-    rank_loss_scale,
-    rank_slice,
-)
-from elastic_ddp.data.seeds import sample_seeds
+from elastic_ddp.data.sampler import DataCursor, ElasticSampler, micro_batches, rank_bounds
+from elastic_ddp.data.seeds import derive_seed, sample_seeds
+
+__all__ = ["MicroBatch", "StepBatch", "StepBatches", "check_dataset", "make_step_batch", "micro_weight"]
+
+
+def check_dataset(dataset: Any) -> int:
+    """The number of samples of a map-style ``dataset``; ``TypeError`` saying why if it is not one."""
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(
+            f"{type(dataset).__name__} is an IterableDataset. Exactly-once data order needs a map-style "
+            "dataset (__len__ and __getitem__): the job's position is a cursor into a permutation of sample "
+            "indices, which is what lets a resumed job, at any world size, continue with exactly the samples "
+            "the interrupted one had not consumed. A stream cannot be indexed or restarted at a position. "
+            "Wrap the stream's records (files, shards, rows) in a map-style Dataset instead."
+        )
+    if not callable(getattr(dataset, "__getitem__", None)) or not callable(getattr(dataset, "__len__", None)):
+        raise TypeError(
+            f"{type(dataset).__name__} is not a map-style dataset: it needs __len__ and __getitem__ "
+            "(sample i = dataset[i] for i in 0..len-1)."
+        )
+    size = len(dataset)
+    if size <= 0:
+        raise ValueError(f"The dataset ({type(dataset).__name__}) is empty.")
+    return size
+
+
+def micro_weight(samples: int, world_size: int, global_batch_size: int) -> float:
+    """What a micro-batch's *mean* loss is multiplied by before ``backward()``.
+
+    DDP *averages* gradients over ranks. With each micro-batch's mean loss weighted by
+    ``samples * world_size / global_batch_size``, the average over ranks of the summed micro-batch
+    gradients is exactly the global-batch mean -- however unevenly the batch is split (10 samples on
+    3 ranks: 4, 3, 3) and however many micro-batches a rank uses.
+    """
+    return samples * world_size / global_batch_size
 
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One forward/backward of a rank: ``x``, ``y`` (``int64 [b, block_size]``), the samples'
-    dropout ``seeds`` (``int64 [b]``) and loss ``weight`` (``float32 [b]``).
+    """One forward/backward of a rank.
 
-    The rank's loss of this micro-batch is ``(per_sample_loss(logits, y) * weight).sum()``. A
-    ``dummy`` micro-batch (a rank with no samples this step) has weight 0: it only keeps the rank in
-    DDP's gradient all-reduce.
+    ``data`` is the collated batch of the samples ``indices`` (global dataset indices). ``weight``
+    multiplies its mean loss (:func:`micro_weight`). A ``dummy`` micro-batch (a rank with no samples
+    this step) has weight 0: it only keeps the rank in DDP's gradient all-reduce.
     """
 
     indices: list[int]
-    x: torch.Tensor
-    y: torch.Tensor
-    seeds: torch.Tensor
-    weight: torch.Tensor
+    data: Any
+    weight: float
+    step: int
+    seed: int
     dummy: bool = False
+    _seeds: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def samples(self) -> int:
+        """Samples that count (0 for a dummy)."""
+        return 0 if self.dummy else len(self.indices)
+
+    @property
+    def sample_seeds(self) -> list[int]:
+        """Per-sample random seeds for this step: ``derive_seed("dropout", seed, step, index)``.
+
+        The same on whichever rank and in whichever micro-batch a sample lands, and again when a
+        resumed job replays the step: what per-sample randomness (e.g.
+        :class:`~elastic_ddp.nn.SampleDropout`) needs to be independent of the world size.
+        """
+        if not self._seeds:
+            self._seeds.extend(sample_seeds(self.seed, self.step, self.indices))
+        return list(self._seeds)
 
     def pin_memory(self) -> MicroBatch:
-        # DataLoader's pin-memory thread calls this (it does not know our dataclass otherwise).
-        return replace(
-            self,
-            x=self.x.pin_memory(),
-            y=self.y.pin_memory(),
-            seeds=self.seeds.pin_memory(),
-            weight=self.weight.pin_memory(),
-        )
+        # DataLoader's pin-memory thread calls this (it does not know the dataclass otherwise).
+        return replace(self, data=_pin(self.data))
 
 
 @dataclass(frozen=True)
 class StepBatch:
-    """Everything one rank needs for optimizer step ``step``.
+    """Everything one rank needs for optimizer step ``step`` (1-based: the step being computed).
 
-    ``global_indices``: the step's samples over all ranks, in order; ``rank_indices``: this rank's
-    contiguous share; ``micro_batches``: at least one; ``cursor_after``: the data cursor to store in
-    a checkpoint taken after this step.
+    ``rank_indices``: this rank's contiguous share of the step's global batch; ``micro_batches``: at
+    least one; ``cursor_after``: the data cursor to store in a checkpoint taken after this step.
     """
 
     step: int
-    global_indices: list[int]
     rank_indices: list[int]
     micro_batches: list[MicroBatch]
     cursor_after: DataCursor
@@ -73,40 +115,37 @@ class StepBatch:
 
 
 def make_step_batch(
-    windows: ByteWindows,
+    dataset: Any,
     sampler: ElasticSampler,
     cursor: DataCursor,
     step: int,
     rank: int,
     world_size: int,
     micro_batch_size: int = 0,
-    seed: int | None = None,
+    collate_fn: Callable[[list[Any]], Any] = default_collate,
 ) -> StepBatch:
     """The batch of step ``step`` for ``rank``, starting at ``cursor`` (a pure function).
 
-    ``seed`` (default ``sampler.seed``) seeds the samples' dropout masks together with ``step``.
+    Only this rank's share of the global batch is computed and read from ``dataset``.
     """
-    seed = sampler.seed if seed is None else seed
-    global_indices, cursor_after = sampler.batch_at(cursor)
-    mine = rank_slice(global_indices, rank, world_size)
-    scale = rank_loss_scale(world_size, sampler.global_batch_size)
+    start, stop = rank_bounds(sampler.global_batch_size, rank, world_size)
+    mine = sampler.slice_at(cursor, start, stop)
     batches = []
     for chunk in micro_batches(mine, micro_batch_size):
-        x, y = windows.gather(chunk)
-        weight = torch.full((len(chunk),), scale, dtype=torch.float32)
-        batches.append(MicroBatch(chunk, x, y, sample_seeds(seed, step, chunk), weight))
+        data = collate_fn([dataset[i] for i in chunk])
+        weight = micro_weight(len(chunk), world_size, sampler.global_batch_size)
+        batches.append(MicroBatch(chunk, data, weight, step, sampler.seed))
     if not batches:
         # More ranks than samples: this rank still has to join DDP's all-reduce, or the others hang.
         # It forwards a real sample with weight 0, so its gradient contribution is exactly zero.
-        chunk = global_indices[:1]
-        x, y = windows.gather(chunk)
-        weight = torch.zeros(1, dtype=torch.float32)
-        batches.append(MicroBatch(chunk, x, y, sample_seeds(seed, step, chunk), weight, dummy=True))
-    return StepBatch(step, global_indices, mine, batches, cursor_after)
+        chunk = sampler.slice_at(cursor, 0, 1)
+        data = collate_fn([dataset[i] for i in chunk])
+        batches.append(MicroBatch(chunk, data, 0.0, step, sampler.seed, dummy=True))
+    return StepBatch(step, mine, batches, sampler.advance(cursor, 1))
 
 
 class _StepDataset(Dataset):
-    """Map-style view: item ``k`` is the batch of step ``start_step + k``; workers index it by k."""
+    """Map-style view: item ``k`` is the batch of step ``start_step + 1 + k``; workers index it by k."""
 
     def __init__(self, batches: StepBatches) -> None:
         self.batches = batches
@@ -119,17 +158,19 @@ class _StepDataset(Dataset):
 
 
 class StepBatches:
-    """Iterate this rank's :class:`StepBatch` for steps ``start_step .. start_step + num_steps - 1``.
+    """Iterate this rank's :class:`StepBatch` for steps ``start_step + 1 .. start_step + num_steps``.
 
-    Step ``start_step + k`` begins at ``sampler.advance(start, k)``. With ``num_workers > 0`` the
-    batches are built by a ``DataLoader`` over a map-style dataset indexed by ``k``, each worker
-    preparing up to ``prefetch_batches`` ahead; the batches and their ``cursor_after`` are identical
-    to ``num_workers == 0``. Tensors are pinned when ``pin_memory`` (default: CUDA is available).
+    The step after ``start_step + k`` begins at ``sampler.advance(start, k)``. With ``num_workers > 0``
+    the batches are built by a ``DataLoader`` over a map-style view indexed by ``k``, each worker
+    preparing up to ``prefetch_batches`` ahead; the batches and their ``cursor_after`` are identical to
+    ``num_workers == 0``. Tensors are pinned when ``pin_memory`` (default: CUDA is available). The
+    loader's own random generator is seeded from the sampler's seed, so iterating never draws from
+    the process's global generators (whose state a checkpoint restores).
     """
 
     def __init__(
         self,
-        windows: ByteWindows,
+        dataset: Any,
         sampler: ElasticSampler,
         start: DataCursor,
         *,
@@ -140,7 +181,7 @@ class StepBatches:
         micro_batch_size: int = 0,
         num_workers: int = 0,
         prefetch_batches: int = 2,
-        seed: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool | None = None,
     ) -> None:
         if num_steps < 0:
@@ -149,11 +190,14 @@ class StepBatches:
             raise ValueError(
                 f"num_workers ({num_workers}) must be >= 0 and prefetch_batches ({prefetch_batches}) >= 1."
             )
+        size = check_dataset(dataset)
+        if size != sampler.num_samples:
+            raise ValueError(f"The dataset has {size} samples but the sampler orders {sampler.num_samples}.")
         # Validate rank, world size, micro-batch size and the cursor up front, not in a worker.
-        rank_slice([], rank, world_size)
+        rank_bounds(sampler.global_batch_size, rank, world_size)
         micro_batches([], micro_batch_size)
         sampler.advance(start, 0)
-        self.windows = windows
+        self.dataset = dataset
         self.sampler = sampler
         self.start = start
         self.rank = rank
@@ -163,7 +207,7 @@ class StepBatches:
         self.micro_batch_size = micro_batch_size
         self.num_workers = num_workers
         self.prefetch_batches = prefetch_batches
-        self.seed = sampler.seed if seed is None else seed
+        self.collate_fn = collate_fn or default_collate
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
 
     def __len__(self) -> int:
@@ -174,14 +218,14 @@ class StepBatches:
         if not 0 <= offset < self.num_steps:
             raise IndexError(f"Step offset {offset} is outside 0..{self.num_steps - 1}.")
         return make_step_batch(
-            self.windows,
+            self.dataset,
             self.sampler,
             self.sampler.advance(self.start, offset),
-            self.start_step + offset,
+            self.start_step + offset + 1,
             self.rank,
             self.world_size,
             self.micro_batch_size,
-            self.seed,
+            self.collate_fn,
         )
 
     def __iter__(self) -> Iterator[StepBatch]:
@@ -197,5 +241,20 @@ class StepBatches:
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_batches,
             pin_memory=self.pin_memory,
+            generator=torch.Generator().manual_seed(derive_seed("loader", self.sampler.seed, self.start_step)),
         )
         yield from loader
+
+
+def to_device(data: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    """``data`` with every tensor moved to ``device`` (tuples, lists, dicts and ``.to()`` objects)."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=non_blocking)
+    if isinstance(data, dict):
+        return type(data)((k, to_device(v, device, non_blocking)) for k, v in data.items())
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
+        return type(data)(*(to_device(v, device, non_blocking) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(to_device(v, device, non_blocking) for v in data)
+    mover = getattr(data, "to", None)
+    return mover(device) if callable(mover) else data

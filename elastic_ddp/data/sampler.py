@@ -1,9 +1,14 @@
-"""Samples, the global data cursor and the world-size-independent order of samples.
+"""The global data cursor and the world-size-independent order of samples, in O(1) memory.
 
 The cursor counts samples, not steps or per-rank positions: ``(epoch, consumed)`` says how far the
 *job* got, so a checkpoint written by 4 ranks resumes on 3 without repeating or skipping a sample.
 Which samples make up a step depends on the cursor only; the world size only decides how the
 step's global batch is split (:func:`rank_slice`).
+
+The order of an epoch is a keyed pseudo-random permutation computed per position (a Feistel
+network over the next power of four with cycle walking, keyed by the seed and the epoch), not a
+stored list: a rank computes the indices of its own share of a step in O(share) time and no
+memory per sample, however large the dataset and however many loader workers hold a copy.
 """
 
 from __future__ import annotations
@@ -12,59 +17,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from elastic_ddp.data.seeds import derive_seed
 
+__all__ = ["ORDER_VERSION", "DataCursor", "ElasticSampler", "micro_batches", "rank_slice"]
 
-class ByteWindows:
-    """Next-byte prediction samples cut from a 1-D ``uint8`` corpus.
-
-    Sample ``i`` is the window ``corpus[i*block_size : i*block_size + block_size + 1]``: ``x`` is its
-    first ``block_size`` bytes, ``y`` the same shifted by one (both ``int64``). Windows do not overlap,
-    so an epoch reads every byte once; ``len`` is the number of full windows.
-    """
-
-    def __init__(self, corpus: torch.Tensor, block_size: int) -> None:
-        if corpus.dim() != 1 or corpus.dtype != torch.uint8:
-            raise ValueError(
-                f"The corpus must be a 1-D uint8 tensor, not {corpus.dtype} of shape {tuple(corpus.shape)}."
-            )
-        if block_size <= 0:
-            raise ValueError(f"block_size ({block_size}) must be positive.")
-        if corpus.numel() < block_size + 1:
-            raise ValueError(
-                f"The corpus ({corpus.numel()} bytes) is shorter than one sample "
-                f"(block_size + 1 = {block_size + 1} bytes)."
-            )
-        self.corpus = corpus
-        self.block_size = block_size
-        self._offsets = torch.arange(block_size + 1)
-
-    def __len__(self) -> int:
-        return (self.corpus.numel() - 1) // self.block_size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.gather([index])
-        return x[0], y[0]
-
-    def gather(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples ``indices`` stacked: ``x, y`` of shape ``[len(indices), block_size]``."""
-        count = len(self)
-        bad = [i for i in indices if not 0 <= i < count]
-        if bad:
-            raise IndexError(f"Sample indices {bad[:5]} are outside 0..{count - 1}.")
-        starts = torch.as_tensor(list(indices), dtype=torch.int64) * self.block_size
-        windows = self.corpus[starts[:, None] + self._offsets].long()
-        return windows[:, :-1], windows[:, 1:]
+# Names the permutation algorithm; stored with the cursor so that a checkpoint is never resumed
+# with another algorithm's order (which would silently repeat and skip samples).
+ORDER_VERSION = "feistel-6r-v1"
+_ROUNDS = 6
 
 
 @dataclass(frozen=True)
 class DataCursor:
     """How far the job got through the data: ``consumed`` samples of epoch ``epoch`` are done.
 
-    Independent of world size and of the global batch size. Store ``state_dict()`` in a checkpoint
-    and continue with ``DataCursor.from_state_dict(...)``.
+    Independent of world size and of the global batch size.
     """
 
     epoch: int = 0
@@ -85,109 +54,125 @@ class DataCursor:
         missing = {"epoch", "consumed"} - set(state)
         if missing:
             raise ValueError(f"A data cursor state needs keys {sorted(missing)}; got {dict(state)!r}.")
-        return cls(epoch=state["epoch"], consumed=state["consumed"])
+        return cls(epoch=int(state["epoch"]), consumed=int(state["consumed"]))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (multiplication wraps modulo 2**64, as intended)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 class ElasticSampler:
     """The order in which the job consumes samples, ``global_batch_size`` per optimizer step.
 
-    Epoch ``e`` visits all ``num_samples`` samples once, in ``torch.randperm`` order from a CPU
-    generator seeded with ``derive_seed("order", seed, e)`` (the same in every process for a given
-    torch version). A global batch that runs past the end of an epoch continues with the next
-    epoch's order, so no step is short and no sample is dropped or repeated within an epoch.
+    Epoch ``e`` visits all ``num_samples`` samples once, in the order of a permutation keyed by
+    ``derive_seed("order", seed, e, round)`` -- the same in every process, on every platform. A
+    global batch that runs past the end of an epoch continues with the next epoch's order, so no
+    step is short and no sample is dropped or repeated within an epoch.
     """
 
     def __init__(self, num_samples: int, global_batch_size: int, seed: int) -> None:
         if num_samples <= 0:
-            raise ValueError(
-                f"num_samples ({num_samples}) must be positive: the corpus holds no full sample."
-            )
+            raise ValueError(f"num_samples ({num_samples}) must be positive: the dataset holds no sample.")
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size ({global_batch_size}) must be positive.")
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self._orders: dict[int, list[int]] = {}
+        # The permutation acts on [0, 4**half_bits) >= num_samples (at most 4x larger, so cycle
+        # walking takes < 4 rounds of the network on average).
+        self._half_bits = max(1, (max(num_samples - 1, 1).bit_length() + 1) // 2)
+        self._mask = np.uint64((1 << self._half_bits) - 1)
+        self._keys: dict[int, list[np.uint64]] = {}
+
+    def _round_keys(self, epoch: int) -> list[np.uint64]:
+        keys = self._keys.get(epoch)
+        if keys is None:
+            keys = [np.uint64(derive_seed("order", self.seed, epoch, r)) for r in range(_ROUNDS)]
+            if len(self._keys) >= 4:  # a step spans at most a few epochs; keep the cache tiny
+                self._keys.pop(min(self._keys))
+            self._keys[epoch] = keys
+        return keys
+
+    def indices(self, epoch: int, positions: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The sample indices at ``positions`` (each in ``0..num_samples-1``) of ``epoch``'s order."""
+        pos = np.asarray(positions, dtype=np.uint64)
+        if pos.size and int(pos.max()) >= self.num_samples:
+            raise IndexError(f"Positions must be below num_samples ({self.num_samples}); got {int(pos.max())}.")
+        keys, half, mask, limit = self._round_keys(epoch), np.uint64(self._half_bits), self._mask, np.uint64(self.num_samples)
+        out = pos.copy()
+        pending = np.ones(out.shape, dtype=bool)
+        while pending.any():
+            x = out[pending]
+            left, right = x >> half, x & mask
+            for key in keys:
+                left, right = right, left ^ (_mix(right ^ key) & mask)
+            x = (left << half) | right
+            out[pending] = x
+            pending[pending] = x >= limit  # cycle walking: re-encrypt what fell outside the domain
+        return out.astype(np.int64)
 
     def permutation(self, epoch: int) -> list[int]:
-        """The sample order of ``epoch``: a permutation of ``range(num_samples)`` (a fresh list)."""
-        return list(self._order(epoch))
-
-    def _order(self, epoch: int) -> list[int]:
-        order = self._orders.get(epoch)
-        if order is None:
-            generator = torch.Generator().manual_seed(derive_seed("order", self.seed, epoch))
-            order = torch.randperm(self.num_samples, generator=generator).tolist()
-            # A batch needs at most its own epoch and the following ones; keep two epochs cached.
-            if len(self._orders) >= 2:
-                self._orders.pop(min(self._orders))
-            self._orders[epoch] = order
-        return order
+        """The whole order of ``epoch`` (O(num_samples): for tests and audits, not for training)."""
+        return self.indices(epoch, np.arange(self.num_samples)).tolist()
 
     def batch_at(self, cursor: DataCursor) -> tuple[list[int], DataCursor]:
         """The next global batch from ``cursor``: its sample indices and the cursor after it."""
+        indices = self.slice_at(cursor, 0, self.global_batch_size)
+        return indices, self.advance(cursor, 1)
+
+    def slice_at(self, cursor: DataCursor, start: int, stop: int) -> list[int]:
+        """Positions ``start..stop-1`` of the global batch that begins at ``cursor`` (O(stop - start))."""
         self._check(cursor)
-        epoch, consumed = cursor.epoch, cursor.consumed
-        indices: list[int] = []
-        while len(indices) < self.global_batch_size:
-            if consumed == self.num_samples:
-                epoch, consumed = epoch + 1, 0
-            take = min(self.global_batch_size - len(indices), self.num_samples - consumed)
-            indices += self._order(epoch)[consumed : consumed + take]
-            consumed += take
-        return indices, self._normalize(epoch, consumed)
+        if not 0 <= start <= stop <= self.global_batch_size:
+            raise ValueError(f"A slice {start}:{stop} of a global batch of {self.global_batch_size} is out of range.")
+        out: list[int] = []
+        epoch, position = cursor.epoch, cursor.consumed + start
+        remaining = stop - start
+        while remaining:
+            epoch, position = epoch + position // self.num_samples, position % self.num_samples
+            take = min(remaining, self.num_samples - position)
+            out += self.indices(epoch, np.arange(position, position + take)).tolist()
+            position += take
+            remaining -= take
+        return out
 
     def advance(self, cursor: DataCursor, steps: int) -> DataCursor:
-        """The cursor ``steps`` global batches after ``cursor`` (O(1); no permutation is built)."""
+        """The cursor ``steps`` global batches after ``cursor`` (O(1))."""
         self._check(cursor)
         if steps < 0:
             raise ValueError(f"steps ({steps}) must not be negative.")
         total = cursor.consumed + steps * self.global_batch_size
-        return self._normalize(cursor.epoch + total // self.num_samples, total % self.num_samples)
-
-    def _normalize(self, epoch: int, consumed: int) -> DataCursor:
         # A finished epoch is stored as the start of the next, so equal positions compare equal.
-        if consumed == self.num_samples:
-            return DataCursor(epoch + 1, 0)
-        return DataCursor(epoch, consumed)
+        return DataCursor(cursor.epoch + total // self.num_samples, total % self.num_samples)
 
     def _check(self, cursor: DataCursor) -> None:
-        if cursor.consumed > self.num_samples:
+        if cursor.consumed >= self.num_samples:
             raise ValueError(
                 f"The data cursor is at sample {cursor.consumed} of epoch {cursor.epoch}, but an epoch "
-                f"has only {self.num_samples} samples: the corpus or block_size changed since the "
-                "checkpoint was written."
+                f"has only {self.num_samples} samples: the dataset changed since the checkpoint was written."
             )
 
 
-def rank_slice(global_indices: Sequence[int], rank: int, world_size: int) -> list[int]:
-    """This rank's contiguous share of a global batch.
+def rank_bounds(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``(start, stop)`` of ``rank``'s contiguous share of a global batch of ``batch_size``.
 
-    The first ``len(global_indices) % world_size`` ranks get one sample more than the others; ranks
-    beyond the batch size get none. Concatenating the slices of ranks 0..world_size-1 gives
-    ``global_indices`` back in order.
+    The first ``batch_size % world_size`` ranks get one sample more than the others; ranks beyond
+    the batch size get none. The shares of ranks 0..world_size-1 tile the batch in order.
     """
     if world_size <= 0 or not 0 <= rank < world_size:
         raise ValueError(f"rank ({rank}) must be in 0..world_size-1 (world_size {world_size}).")
-    base, extra = divmod(len(global_indices), world_size)
+    base, extra = divmod(batch_size, world_size)
     start = rank * base + min(rank, extra)
-    return list(global_indices[start : start + base + (rank < extra)])
+    return start, start + base + (rank < extra)
 
 
-def rank_loss_scale(world_size: int, global_batch_size: int) -> float:
-    """The weight of each per-sample loss on a rank: ``world_size / global_batch_size``.
-
-    DDP *averages* gradients over ranks. If each rank's loss is the *sum* of its per-sample losses
-    times this weight, the average over ranks is ``sum over the global batch / global_batch_size``:
-    exactly the global-batch mean, however unevenly the batch is split (10 samples on 3 ranks:
-    4, 3, 3) and however many micro-batches a rank uses. The per-rank mean loss would instead weight
-    the samples of the ranks with fewer samples more heavily.
-    """
-    if world_size <= 0 or global_batch_size <= 0:
-        raise ValueError(
-            f"world_size ({world_size}) and global_batch_size ({global_batch_size}) must be positive."
-        )
-    return world_size / global_batch_size
+def rank_slice(global_indices: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """This rank's contiguous share of a global batch (see :func:`rank_bounds`)."""
+    start, stop = rank_bounds(len(global_indices), rank, world_size)
+    return list(global_indices[start:stop])
 
 
 def micro_batches(rank_indices: Sequence[int], micro_batch_size: int) -> list[list[int]]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-import torch
-
 _SEED_MASK = (1 << 63) - 1  # keep seeds non-negative int64, valid for torch and numpy alike
 
 
@@ -29,13 +27,11 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") & _SEED_MASK
 
 
-def sample_seeds(seed: int, step: int, global_indices: Sequence[int]) -> torch.Tensor:
-    """Dropout seeds of the samples of one optimizer step: ``LongTensor[len(global_indices)]``.
+def sample_seeds(seed: int, step: int, global_indices: Sequence[int]) -> list[int]:
+    """Per-sample random seeds of one optimizer step, one per index of ``global_indices``.
 
     Sample ``i`` at step ``step`` gets ``derive_seed("dropout", seed, step, i)``: the same on whichever
     rank and in whichever micro-batch it lands, different at every step (so a sample seen again in a
     later epoch gets a fresh mask), and the same again when a restarted job replays that step.
     """
-    return torch.tensor(
-        [derive_seed("dropout", seed, step, int(i)) for i in global_indices], dtype=torch.int64
-    )
+    return [derive_seed("dropout", seed, step, int(i)) for i in global_indices]

@@ -1,9 +1,10 @@
-"""Training-loop glue the recipe calls: stop signals, the per-step agreement, the LR schedule.
+"""How a worker stops: on request at an agreed step, when its agent is gone, or with a clear status.
 
-Stopping is cooperative. SIGTERM (what Kubernetes, Slurm and torchrun send on preemption or
-before restarting a worker group) only sets a flag. Once per optimizer step every rank adds its
-flag to the one small all-reduce that also sums the loss for logging, so all ranks learn of a
-stop at the same step boundary and can commit a checkpoint of that same step before exiting.
+Stopping is cooperative. SIGTERM (what Kubernetes, Slurm and torchrun send on preemption or before
+restarting a worker group) only sets a flag (:class:`StopSignal`). Every rank adds its flag to a tiny
+all-reduce on a gloo group of its own (:class:`StopAgreement`), started after one step and read after
+the next, so it never waits on the GPU or on the network: all ranks learn of a stop at the same step
+boundary -- at most two steps after the signal -- and commit a checkpoint of that same step.
 
 After that checkpoint a rank that received the signal itself exits (:data:`EXIT_STOPPED`). A rank
 that did not -- a survivor of a preemption elsewhere -- waits (:func:`wait_for_restart`) until its
@@ -14,24 +15,25 @@ no restart of ``--max-restarts`` is spent.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
-import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable
-from typing import NoReturn
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from elastic_ddp.config import TrainConfig
+__all__ = [
+    "EXIT_FAILED", "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
+    "StopAgreement", "StopSignal", "exit_when_orphaned", "wait_for_restart",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
+# A failure the job cannot recover from by itself (a checkpoint that cannot be written, storage that
+# is not shared, a resume that would mix runs): one clear message, then this status.
+EXIT_FAILED = 1
 # Exit status of a worker whose agent vanished (the node was lost): it must not train on as a
 # ghost of the old group, so it leaves on its own.
 EXIT_ORPHANED = 70
@@ -47,15 +49,17 @@ EXIT_NOT_RESTARTED = 77
 class StopSignal:
     """Records SIGTERM/SIGINT instead of dying, so the loop can stop at a step boundary.
 
-    A second signal of the same kind while stopping restores the default action, so an operator
-    can still force an exit. ``grace_s`` bounds the cooperative stop: a rank stuck where it cannot
-    reach a step boundary (a hung collective, a peer that froze) exits with
-    :data:`EXIT_STOP_TIMEOUT` that long after the signal instead of waiting for SIGKILL.
+    Further signals while stopping are logged and otherwise ignored: on Slurm a preemption signals
+    every process of the step, torchrun forwards its own SIGTERM, and a batch script may forward once
+    more -- none of them may kill the stop checkpoint. ``grace_s`` bounds the cooperative stop: a rank
+    stuck where it cannot reach a step boundary (a hung collective, a peer that froze) exits with
+    :data:`EXIT_STOP_TIMEOUT` that long after the first signal instead of waiting for SIGKILL.
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), grace_s: float | None = None) -> None:
         self.received: int | None = None
         self.received_at: float | None = None
+        self.repeats = 0
         self._grace_s = grace_s
         self._woken = threading.Event()
         self._previous = {}
@@ -64,8 +68,10 @@ class StopSignal:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is not None:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            self.repeats += 1
+            # Safe in a handler: logging from the main thread between bytecodes; the record is short.
+            log.warning("Signal %s received again while stopping; the stop checkpoint goes on.", signal.Signals(signum).name)
+            self._woken.set()
             return
         self.received = signum
         self.received_at = time.monotonic()
@@ -77,7 +83,7 @@ class StopSignal:
 
     def _grace_expired(self) -> None:
         log.error(
-            "Signal %s was received %.0f s ago and this rank has not stopped at a step boundary; exiting.",
+            "Signal %s was received %.0f s ago and this rank has not finished its stop at a step boundary; exiting.",
             signal.Signals(self.received).name, self._grace_s,
         )  # fmt: skip
         logging.shutdown()
@@ -97,39 +103,42 @@ class StopSignal:
             signal.signal(signum, handler)
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    """What all ranks agreed on after one optimizer step."""
+class StopAgreement:
+    """Whether any rank was asked to stop, agreed by all ranks at the same step, off the critical path.
 
-    loss: float  # mean per-sample loss over the whole global batch
-    stop: bool  # some rank was asked to stop: every rank saves this step and leaves the loop
-    stop_here: bool  # this rank itself received the signal
-
-
-class StepAgreement:
-    """One all-reduce per step carrying [loss sum, sample count, stop flag].
-
-    The loss is needed for logging anyway; adding the stop flag to the same tiny tensor
-    makes the stop decision free and identical on every rank.
+    :meth:`after_step` is called by every rank once per step. It reads the result of the all-reduce
+    it started after the previous step (long finished by now: a few bytes over gloo while the GPU
+    computed a step) and starts the next one with this rank's flag. So all ranks see the same value
+    at the same step; a signal during step ``k`` stops the job after step ``k + 1``. The flag is a
+    CPU tensor on a gloo group of its own: no GPU synchronisation, no interleaving with the
+    gradient all-reduces or the checkpoint's collectives. Without a process group (one rank) the
+    flag is read directly.
     """
 
-    def __init__(self, device: torch.device, stop_signal: StopSignal) -> None:
-        self._buffer = torch.zeros(3, dtype=torch.float64, device=device)
-        self._stop_signal = stop_signal
+    def __init__(self, stop_signal: StopSignal, group: Any = None) -> None:
+        self._signal = stop_signal
+        self._group = group
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._pending: Any = None
 
-    def agree(self, loss_sum: float, samples: int) -> StepOutcome:
-        stop_here = self._stop_signal.requested
-        self._buffer[0] = loss_sum
-        self._buffer[1] = samples
-        self._buffer[2] = 1.0 if stop_here else 0.0
-        if dist.is_initialized():
-            dist.all_reduce(self._buffer)
-        total_loss, total_samples, stops = self._buffer.tolist()
-        return StepOutcome(
-            loss=total_loss / max(total_samples, 1.0),
-            stop=stops > 0,
-            stop_here=stop_here,
-        )
+    def after_step(self) -> bool:
+        """True when every rank must stop after the step just completed."""
+        if self._group is None:
+            return self._signal.requested
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            if int(self._flag.item()) > 0:
+                return True
+        self._flag.fill_(1 if self._signal.requested else 0)
+        self._pending = dist.all_reduce(self._flag, group=self._group, async_op=True)
+        return False
+
+    def close(self) -> None:
+        """Wait for an all-reduce still in flight (every rank started it, so it completes)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
 
 def wait_for_restart(stop_signal: StopSignal, timeout_s: float) -> int:
@@ -146,47 +155,6 @@ def wait_for_restart(stop_signal: StopSignal, timeout_s: float) -> int:
             log.error("No restart within %.0f s of the stop checkpoint; exiting so the agent restarts this rank.", timeout_s)
             return EXIT_NOT_RESTARTED
     return EXIT_STOPPED
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``cfg.lr``, then cosine decay to ``cfg.min_lr`` at ``cfg.max_steps``.
-
-    A pure function of the step, so a resumed run follows exactly the curve of an uninterrupted one.
-    """
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(cfg.max_steps - cfg.warmup_steps, 1)
-    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
-
-
-def run_worker(main: Callable[[list[str]], int], argv: list[str]) -> NoReturn:
-    """Run a worker's ``main(argv)`` and exit with its status.
-
-    After an exception the traceback is printed and the process leaves at once (``os._exit``),
-    skipping interpreter cleanup: destroying a process group whose peer hangs can block forever
-    (gloo waits on the frozen peer's socket), and a failed worker must be gone for its agent to
-    restart the group.
-    """
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - every failure ends the same way: reported, then gone
-        traceback.print_exc()
-        code = 1
-        _flush_and_exit(code)
-    sys.exit(code)
-
-
-def _flush_and_exit(code: int) -> NoReturn:
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 def exit_when_orphaned(poll_s: float = 1.0) -> threading.Thread:

@@ -1,77 +1,59 @@
 """ByteGPT: a small nanoGPT-like causal transformer over the 256 byte values.
 
-Its one unusual part is dropout. Ordinary dropout draws from the process's global RNG, so a
-sample's mask depends on which rank it lands on, how many samples precede it in the micro-batch
-and how often the job restarted. :class:`SampleDropout` instead builds each sample's mask from that
-sample's own seed (see :func:`sample_seeds`: derived from the run's seed, the step and the global
-sample index) and the dropout site's index: the same step computes the same gradient at any world
-size, micro-batch size or after any resume.
+Its one unusual part is dropout: :class:`~elastic_ddp.nn.SampleDropout` builds each sample's mask
+from that sample's own seed, so the same step computes the same gradient at any world size,
+micro-batch size or after any resume (plain ``nn.Dropout`` gives that only at the same world size).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, model_validator
 from torch import nn
 
-from elastic_ddp.config import ModelConfig
-from elastic_ddp.data.seeds import derive_seed, sample_seeds
+from elastic_ddp.config import Section
+from elastic_ddp.nn import SampleDropout
 
-__all__ = ["ByteGPT", "SampleDropout", "optimizer_groups", "per_sample_loss", "sample_seeds"]
+__all__ = ["ByteGPT", "ByteGPTConfig", "optimizer_groups", "warmup_cosine"]
 
 VOCAB_SIZE = 256  # one token per byte value: no tokenizer to version or ship
 
 
-class SampleDropout(nn.Module):
-    """Dropout whose mask for sample ``b`` depends only on ``(seeds[b], site)``.
+class ByteGPTConfig(Section):
+    """Shape of the byte-level transformer (the recipe's ``model`` section). Every field shapes the
+    checkpoint, so all are part of the run's identity."""
 
-    ``forward(x, seeds)``: ``x`` is ``[B, ...]``, ``seeds`` an ``int64 [B]`` tensor. In training with
-    ``p > 0`` each element is zeroed with probability ``p`` and the rest scaled by ``1 / (1 - p)``;
-    otherwise ``x`` is returned unchanged.
+    identity: ClassVar[bool] = True
 
-    Masks are drawn on ``x``'s device with a generator of that device, re-seeded per sample: no
-    host-to-device copy, but one small RNG launch per sample and site (on CUDA, B launches where
-    plain dropout needs one). A mask drawn on CPU differs from one drawn on CUDA for the same seed,
-    so the invariance holds among runs on the same kind of device.
-    """
+    block_size: int = Field(default=64, gt=0, description="Context length in bytes.")
+    n_layer: int = Field(default=2, gt=0, description="Number of transformer blocks.")
+    n_head: int = Field(default=4, gt=0, description="Attention heads per block.")
+    n_embd: int = Field(default=128, gt=0, description="Embedding width; a multiple of model.n_head.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout probability (per-sample masks).")
 
-    def __init__(self, p: float, site: int) -> None:
-        super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"Dropout probability ({p}) must be in [0, 1).")
-        self.p = p
-        self.site = site
-
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if seeds is None:
+    @model_validator(mode="after")
+    def _check_heads(self) -> ByteGPTConfig:
+        if self.n_embd % self.n_head:
             raise ValueError(
-                "ByteGPT with dropout > 0 in training mode needs sample_seeds (see "
-                "elastic_ddp.model.sample_seeds); without them dropout would not be reproducible."
+                f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})."
             )
-        if seeds.shape != (x.shape[0],):
-            raise ValueError(f"sample_seeds has shape {tuple(seeds.shape)}; expected ({x.shape[0]},).")
-        generator = torch.Generator(device=x.device)
-        keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
-        for b, seed in enumerate(seeds.tolist()):
-            generator.manual_seed(derive_seed("site", seed, self.site))
-            noise = torch.rand(x.shape[1:], generator=generator, device=x.device)
-            keep[b] = noise >= self.p
-        return x * keep / (1.0 - self.p)
+        return self
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, site: int) -> None:
+    def __init__(self, cfg: ByteGPTConfig, site: int) -> None:
         super().__init__()
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.drop = SampleDropout(cfg.dropout, site)
 
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seeds: Sequence[int] | None) -> torch.Tensor:
         batch, time, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -82,40 +64,40 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, site: int) -> None:
+    def __init__(self, cfg: ByteGPTConfig, site: int) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         self.drop = SampleDropout(cfg.dropout, site)
 
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seeds: Sequence[int] | None) -> torch.Tensor:
         return self.drop(self.proj(F.gelu(self.fc(x))), seeds)
 
 
 class Block(nn.Module):
     """Pre-LN transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ByteGPTConfig, index: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg, site=1 + 2 * index)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg, site=2 + 2 * index)
 
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seeds: Sequence[int] | None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), seeds)
         return x + self.mlp(self.ln2(x), seeds)
 
 
 class ByteGPT(nn.Module):
-    """Causal language model over bytes, shaped by :class:`ModelConfig`.
+    """Causal language model over bytes, shaped by :class:`ByteGPTConfig`.
 
     Token and position embeddings, ``n_layer`` pre-LN blocks, a final LayerNorm and an output layer
     tied to the token embedding. Parameters are initialised from torch's global RNG: the caller seeds
     it (``torch.manual_seed(cfg.train.seed)``) so that every rank starts from the same weights.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ByteGPTConfig) -> None:
         super().__init__()
         self.block_size = cfg.block_size
         self.wte = nn.Embedding(VOCAB_SIZE, cfg.n_embd)
@@ -139,7 +121,7 @@ class ByteGPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, x: torch.Tensor, sample_seeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sample_seeds: Sequence[int] | None = None) -> torch.Tensor:
         """Logits ``[B, T, 256]`` for byte tokens ``x`` (``int64 [B, T]``, ``T <= block_size``).
 
         ``sample_seeds`` (``int64 [B]``, from :func:`sample_seeds`, on any device) is needed in
@@ -150,27 +132,11 @@ class ByteGPT(nn.Module):
                 f"ByteGPT takes tokens of shape [batch, time] with time <= block_size "
                 f"({self.block_size}); got {tuple(x.shape)}."
             )
-        if sample_seeds is not None:
-            # Seeds are only read as Python ints (to seed generators); DDP moves every tensor input
-            # to the GPU, so fetch them back once here instead of once per dropout site.
-            sample_seeds = sample_seeds.cpu()
         positions = torch.arange(x.shape[1], device=x.device)
         h = self.drop(self.wte(x) + self.wpe(positions), sample_seeds)
         for block in self.blocks:
             h = block(h, sample_seeds)
         return self.lm_head(self.ln_f(h))
-
-
-def per_sample_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of each sample, averaged over its positions: ``float [B]``.
-
-    Weight and sum these (see ``elastic_ddp.data.rank_loss_scale``) rather than taking a batch
-    mean, so that uneven splits across ranks and micro-batches give the global-batch mean gradient.
-    """
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # a low-precision log-softmax over 256 classes loses too much
-    losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-    return losses.view(y.shape).mean(dim=1)
 
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -180,3 +146,19 @@ def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+
+
+def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float):
+    """An ``LambdaLR`` factor: linear warm-up to 1, then cosine decay to ``min_ratio`` at ``max_steps``.
+
+    A pure function of the step, so a resumed run follows exactly the curve of an uninterrupted one.
+    """
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(max_steps - warmup_steps, 1)
+        progress = min(max(step - warmup_steps, 0) / span, 1.0)
+        return min_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - min_ratio)
+
+    return factor

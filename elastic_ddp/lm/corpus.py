@@ -1,4 +1,5 @@
-"""The byte-level text corpus: which files, in which order, how many bytes.
+"""The byte-level text corpus of the language-model recipe: which files, in which order, how many
+bytes, and the next-byte samples cut from it.
 
 Every rank loads the corpus itself, so the bytes (and therefore every sample index) must be a pure
 function of the configuration: files are always taken in sorted order of their path relative to the
@@ -13,10 +14,13 @@ import hashlib
 import os
 import sysconfig
 from collections.abc import Iterable
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field
+from torch.utils.data import Dataset
 
-from elastic_ddp.config import DataConfig
+from elastic_ddp.config import IDENTITY, DataConfig
 
 # Directories of the standard library that are left out of the default corpus: installed packages
 # differ between machines, and distributions ship or strip the test suites at will.
@@ -27,6 +31,62 @@ _STDLIB_SKIP_DIRS = frozenset(
 _STDLIB_SKIP_PREFIXES = ("_sysconfigdata",)
 # Never part of any corpus: byte-compiled caches and VCS internals are not text the user wrote.
 _ALWAYS_SKIP_DIRS = frozenset({"__pycache__", ".git"})
+
+
+class CorpusConfig(DataConfig):
+    """The ``data`` section of the language-model recipe: the loader settings plus the corpus.
+
+    The corpus fields are part of the run's identity: sample ``i`` means the same bytes only if they
+    are the same."""
+
+    path: Annotated[str, IDENTITY] = Field(
+        default="",
+        description=(
+            "Text files to train on: a file, a directory (read recursively) or an fsspec URL "
+            "(s3://bucket/prefix). Empty: the Python standard library's own source files."
+        ),
+    )
+    glob: Annotated[str, IDENTITY] = Field(default="**/*.py", description="Which files of a directory data.path to read.")
+    max_bytes: Annotated[int, IDENTITY] = Field(
+        default=8_000_000, gt=0, description="Read at most this many bytes of text (files in sorted order)."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for a remote data.path."
+    )
+
+
+class ByteWindows(Dataset):
+    """Next-byte prediction samples cut from a 1-D ``uint8`` corpus.
+
+    Sample ``i`` is the window ``corpus[i*block_size : i*block_size + block_size + 1]``: ``x`` is its
+    first ``block_size`` bytes, ``y`` the same shifted by one (both ``int64``). Windows do not overlap,
+    so an epoch reads every byte once; ``len`` is the number of full windows.
+    """
+
+    def __init__(self, corpus: torch.Tensor, block_size: int) -> None:
+        if corpus.dim() != 1 or corpus.dtype != torch.uint8:
+            raise ValueError(
+                f"The corpus must be a 1-D uint8 tensor, not {corpus.dtype} of shape {tuple(corpus.shape)}."
+            )
+        if block_size <= 0:
+            raise ValueError(f"block_size ({block_size}) must be positive.")
+        if corpus.numel() < block_size + 1:
+            raise ValueError(
+                f"The corpus ({corpus.numel()} bytes) is shorter than one sample "
+                f"(block_size + 1 = {block_size + 1} bytes)."
+            )
+        self.corpus = corpus
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return (self.corpus.numel() - 1) // self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"Sample index {index} is outside 0..{len(self) - 1}.")
+        start = index * self.block_size
+        window = self.corpus[start : start + self.block_size + 1].long()
+        return window[:-1], window[1:]
 
 
 def glob_match(relative_path: str, pattern: str) -> bool:
@@ -52,7 +112,7 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def load_corpus(cfg: DataConfig) -> torch.Tensor:
+def load_corpus(cfg: CorpusConfig) -> torch.Tensor:
     """The training bytes named by ``cfg`` as a 1-D ``uint8`` tensor of at most ``cfg.max_bytes``.
 
     ``cfg.path``:
@@ -115,7 +175,7 @@ def _local_files(
     return [os.path.join(root, rel) for rel in sorted(found)]
 
 
-def _load_url(cfg: DataConfig) -> bytearray:
+def _load_url(cfg: CorpusConfig) -> bytearray:
     import fsspec  # imported here: only remote corpora need it
 
     try:

@@ -1,0 +1,642 @@
+"""The public API: one object that owns the elastic protocol around a user's own training step.
+
+A training script keeps what is its own -- model, data, optimizer, loss, the step -- and hands the
+rest to a :class:`Run`::
+
+    import elastic_ddp as edp
+
+    def train(run: edp.Run) -> None:
+        model = Net().to(run.device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp_model = run.setup(model, optimizer)               # DDP, registered state, resume
+        for step in run.steps(MyDataset()):                   # exactly-once data, saves, metrics, stop
+            for x, y in step:                                 # this rank's micro-batches, on run.device
+                step.backward(F.cross_entropy(ddp_model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    if __name__ == "__main__":
+        edp.launch(train)                                      # config, process group, exit status
+
+What the run does, in the order the protocol needs (the script cannot get it wrong because the
+order is not the script's):
+
+1. :func:`launch`: settings from ``--config FILE`` and ``--section.field=value`` (a bad one stops
+   the job before anything starts); SIGTERM becomes a stop request; the worker exits by itself if
+   its torchrun agent dies; the process group and this rank's device; every random generator
+   seeded from ``train.seed`` (the same initial weights on every rank).
+2. :meth:`Run.setup`: wraps the model in DDP; registers the model, optimizer, scheduler and any
+   other stateful objects; proves that every node sees the same checkpoint storage; picks the
+   newest committed, verified checkpoint, refuses it if it belongs to a run with other identity
+   settings, and loads it (every object, and the data position); opens the metrics.
+3. :meth:`Run.steps`: each iteration is one optimizer step over this rank's share of the next
+   ``train.global_batch_size`` samples of a world-size-independent order. Around the script's step
+   the run agrees with all ranks on stopping, saves at ``checkpoint.every_steps`` (in the
+   background), logs metrics, and ends with a blocking save at ``train.max_steps``,
+   ``train.exit_at_step`` or a stop request.
+4. Teardown: waits for a save in flight, closes the metrics and the process group, and exits 0,
+   or with :data:`~elastic_ddp.stop.EXIT_STOPPED` after a stop (a survivor of a membership change
+   first waits for its agent to restart it). A failure that must not pass silently -- a final save
+   that failed, ``checkpoint.max_failed_saves`` failed saves in a row, storage not shared by all
+   nodes, a resume that would mix runs -- ends the job with one clear message and a non-zero status.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_ddp.chaos import maybe_inject
+from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
+from elastic_ddp.config import Config, ConfigError, identity_differences, load_config
+from elastic_ddp.data import (
+    ORDER_VERSION, DataCursor, ElasticSampler, MicroBatch, StepBatch, StepBatches, StepLedger, check_dataset,
+    derive_seed, to_device,
+)  # fmt: skip
+from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo_group, shutdown_distributed
+from elastic_ddp.failures import FailureReport, RecurringFailureError
+from elastic_ddp.logs import configure_logging
+from elastic_ddp.metrics import (
+    ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_MEMBERSHIP, ENDED_STOPPED, Metrics, create_metrics,
+)  # fmt: skip
+from elastic_ddp.state import ModelState, OptimizerState, RNGState, Stateful, check_stateful
+from elastic_ddp.stop import EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, wait_for_restart
+
+__all__ = ["Run", "RunError", "Step", "launch"]
+
+log = logging.getLogger(__name__)
+
+# Names the run gives the objects it registers itself; a script's own objects take other names.
+MODEL, OPTIMIZER, SCHEDULER, DATA, RNG = "model", "optimizer", "scheduler", "data", "rng"
+
+
+class RunError(RuntimeError):
+    """The protocol cannot go on without losing or mixing work; the message says what and what to do."""
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), Python's ``random`` and NumPy's global generator with ``seed``."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+class DataState:
+    """The data position, saved in every checkpoint: the cursor, and what it is a position *in*.
+
+    The cursor counts positions in a permutation of the dataset's samples; resuming it over another
+    dataset (another size, other contents when a fingerprint is given) or another order algorithm
+    would silently repeat and skip samples, so :meth:`bind` refuses that.
+    """
+
+    def __init__(self) -> None:
+        self.cursor = DataCursor()
+        self.num_samples = 0
+        self.fingerprint = ""
+        self._saved: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **self.cursor.state_dict(), "num_samples": self.num_samples, "fingerprint": self.fingerprint,
+            "order": ORDER_VERSION,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.cursor = DataCursor.from_state_dict(state)
+        self._saved = dict(state)
+
+    def bind(self, num_samples: int, fingerprint: str, where: str) -> None:
+        """Attach the position to a dataset of ``num_samples`` (and ``fingerprint``); raise RunError if a
+        resumed position belongs to another dataset. ``where`` names the checkpoint for the message."""
+        saved = self._saved
+        if saved is not None:
+            problems = []
+            if saved.get("order") != ORDER_VERSION:
+                problems.append(f"its data order is {saved.get('order')!r}, this version uses {ORDER_VERSION!r}")
+            if saved.get("num_samples") != num_samples:
+                problems.append(f"it was written for a dataset of {saved.get('num_samples')} samples, this one has {num_samples}")
+            if saved.get("fingerprint", "") != fingerprint:
+                problems.append(f"its dataset fingerprint is {saved.get('fingerprint')!r}, this one's is {fingerprint!r}")
+            if problems:
+                raise RunError(
+                    f"Checkpoint {where} cannot continue over this dataset: {'; '.join(problems)}. Its data "
+                    "position would then name other samples, repeating some and skipping others. Use the same "
+                    "data, or start a new run (another run.name or checkpoint.url)."
+                )
+        self.num_samples = num_samples
+        self.fingerprint = fingerprint
+
+
+class _DeferredRNG:
+    """The per-rank generators from a checkpoint, applied only when the loop starts.
+
+    Whatever the script does between ``setup()`` and the first step (build a dataset, draw a split)
+    it did in the uninterrupted run too, before the saved step; restoring the generators just before
+    the next step is what makes a resumed run draw exactly what the uninterrupted one drew.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._live = RNGState(device)
+        self.saved: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._live.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.saved = dict(state)
+
+    def apply(self) -> None:
+        if self.saved is not None:
+            self._live.load_state_dict(self.saved)
+
+
+class Step:
+    """One optimizer step of this rank. Iterate it for the micro-batches; call :meth:`backward` on each.
+
+    ``for batch in step:`` yields this rank's micro-batches (the ``collate_fn`` output, tensors moved
+    to the run's device); DDP synchronises gradients only on the last one (gradient accumulation).
+    The script's loss must be the *mean* over the micro-batch's samples (what every torch loss
+    returns by default); :meth:`backward` weights it so that the gradient is the global-batch mean
+    however the batch was split over ranks and micro-batches.
+    """
+
+    def __init__(self, batch: StepBatch, ddp_model: DistributedDataParallel, device: torch.device) -> None:
+        self.number = batch.step
+        self._batch = batch
+        self._ddp = ddp_model
+        self._device = device
+        self._micro: MicroBatch | None = None
+        self._position = -1
+        self._backwards = 0
+        self._loss_sum: torch.Tensor | None = None
+        self._samples = 0
+        self.scalars: dict[str, Any] = {}
+
+    @property
+    def indices(self) -> list[int]:
+        """The dataset indices of this rank's samples in this step."""
+        return list(self._batch.rank_indices)
+
+    @property
+    def micro(self) -> MicroBatch:
+        """The micro-batch being trained (its ``indices``, ``weight``, ``sample_seeds``)."""
+        if self._micro is None:
+            raise RunError("step.micro is only available inside `for batch in step:`.")
+        return self._micro
+
+    def __iter__(self) -> Iterator[Any]:
+        micros = self._batch.micro_batches
+        for position, micro in enumerate(micros):
+            self._micro, self._position = micro, position
+            last = position == len(micros) - 1
+            with nullcontext() if last else self._ddp.no_sync():
+                yield to_device(micro.data, self._device)
+            if self._backwards != position + 1:
+                raise RunError(
+                    f"Step {self.number}: micro-batch {position + 1} of {len(micros)} ended without "
+                    "step.backward(loss); every micro-batch needs exactly one (DDP's gradient all-reduce "
+                    "counts on it)."
+                )
+        self._micro = None
+
+    def backward(self, loss: torch.Tensor, scaler: Any = None) -> None:
+        """Backpropagate the micro-batch's mean ``loss``, weighted for uneven splits; with a
+        ``torch.amp.GradScaler``, scaled by it (then call ``scaler.step(optimizer)`` as usual)."""
+        micro = self.micro
+        if self._backwards != self._position:
+            raise RunError(f"Step {self.number}: step.backward() was called twice for one micro-batch.")
+        if loss.dim() != 0:
+            raise RunError(
+                f"Step {self.number}: step.backward() needs the micro-batch's mean loss (a scalar), got shape "
+                f"{tuple(loss.shape)}."
+            )
+        weighted = loss * micro.weight
+        (weighted if scaler is None else scaler.scale(weighted)).backward()
+        self._backwards += 1
+        if not micro.dummy:
+            # Summed on the device: read (one host sync) only at logged steps.
+            contribution = loss.detach().float() * micro.samples
+            self._loss_sum = contribution if self._loss_sum is None else self._loss_sum + contribution
+            self._samples += micro.samples
+
+    def log(self, **scalars: float | torch.Tensor) -> None:
+        """Extra scalars for this step, e.g. ``step.log(grad_norm=norm)`` (TensorBoard tag
+        ``train/grad_norm``). Tensors stay on the device; they are read only at logged steps."""
+        self.scalars.update({f"train/{name}": value for name, value in scalars.items()})
+
+    def _check_complete(self) -> None:
+        if self._micro is not None or self._backwards != len(self._batch.micro_batches):
+            raise RunError(
+                f"Step {self.number}: the step ended after {self._backwards} of "
+                f"{len(self._batch.micro_batches)} micro-batches; iterate `for batch in step:` to the end "
+                "and call step.backward(loss) for each."
+            )
+
+    def _loss_and_samples(self) -> torch.Tensor:
+        out = torch.zeros(2, dtype=torch.float64, device=self._device)
+        if self._loss_sum is not None:
+            out[0] = self._loss_sum.double()
+        out[1] = float(self._samples)
+        return out
+
+
+class Run:
+    """One worker's part of an elastic job (see the module docstring). Made by :func:`launch`.
+
+    Attributes: ``cfg`` (the settings), ``rank``, ``world_size``, ``local_rank``, ``device``,
+    ``is_main``, ``step`` (optimizer steps completed), ``resumed_from`` (the checkpoint this attempt
+    started from, or None).
+    """
+
+    def __init__(self, cfg: Config, stop_signal: StopSignal) -> None:
+        self.cfg = cfg
+        self._stop_signal = stop_signal
+        self._ctx = init_distributed(cfg.dist)
+        configure_logging(f"rank {self._ctx.rank}")
+        self._control = new_gloo_group(cfg.dist.timeout_s)
+        seed_everything(cfg.train.seed)  # the same initial weights on every rank
+        self.failures = FailureReport(
+            cfg.run.dir, rank=self.rank, restart_count=self._ctx.restart_count,
+            max_restarts=int(os.environ.get(ENV_MAX_RESTARTS, "0")),
+        )  # fmt: skip
+        self.step = 0
+        self.resumed_from: CheckpointInfo | None = None
+        self._state: dict[str, Stateful] | None = None
+        self._data = DataState()
+        self._rng = _DeferredRNG(self.device)
+        self._rng_restored = False
+        self._ddp: DistributedDataParallel | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._checkpoints: CheckpointManager | None = None
+        self._metrics: Metrics = Metrics(cfg.logging, max_steps=cfg.train.max_steps)
+        self._looped = False
+        self.ended: str | None = None
+
+    # ------------------------------------------------------------------------------ where we are
+
+    @property
+    def rank(self) -> int:
+        return self._ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ctx.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._ctx.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: ``cuda:N`` with nccl, else the CPU. Put the model there before setup()."""
+        return self._ctx.device
+
+    @property
+    def is_main(self) -> bool:
+        return self._ctx.rank == 0
+
+    # ------------------------------------------------------------------------------------- setup
+
+    def setup(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Stateful | None = None,
+        *,
+        ddp_kwargs: Mapping[str, Any] | None = None,
+        **state: Stateful,
+    ) -> DistributedDataParallel:
+        """Wrap ``model`` in DDP, register what a checkpoint must hold, and resume; returns the DDP model.
+
+        ``model`` must already be on :attr:`device`. ``scheduler`` and every keyword object (a
+        ``torch.amp.GradScaler``, the script's own counters: anything with ``state_dict()`` and
+        ``load_state_dict()``) are saved in every checkpoint and restored on resume, as are the model,
+        the optimizer, the data position and each rank's random generators. ``ddp_kwargs`` go to
+        ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``). Collective; call once.
+        """
+        if self._state is not None:
+            raise RunError("run.setup() was already called; call it once, after building model and optimizer.")
+        where = {p.device for p in model.parameters()}
+        if where and where != {self.device}:
+            raise RunError(
+                f"The model's parameters are on {sorted(str(d) for d in where)}, but this rank trains on "
+                f"{self.device}: call model.to(run.device) before run.setup()."
+            )
+        objects: dict[str, Stateful] = {MODEL: ModelState(model), OPTIMIZER: OptimizerState(model, optimizer)}
+        if scheduler is not None:
+            objects[SCHEDULER] = scheduler
+        for name, obj in state.items():
+            if name in (MODEL, OPTIMIZER, SCHEDULER, DATA):
+                raise RunError(f"The state name {name!r} is the run's own; give the object another name.")
+            check_stateful(name, obj)
+            objects[name] = obj
+        objects[DATA] = self._data
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self._ddp = DistributedDataParallel(model, device_ids=device_ids, **dict(ddp_kwargs or {}))
+        self._optimizer = optimizer
+        self._state = objects
+        self._checkpoints = CheckpointManager(
+            self.cfg.checkpoint, identity=self.cfg.identity(), rdzv_round=self._ctx.rdzv_round
+        )
+        self._checkpoints.check_shared_storage()
+        self._resume()
+        self._metrics = create_metrics(
+            self.cfg.logging, rank=self.rank, run_dir=self.cfg.run.dir,
+            resume_step=self.step if self.resumed_from is not None else None,
+            world_size=self.world_size, restart_count=self._ctx.restart_count, max_steps=self.cfg.train.max_steps,
+            storage_options=self.cfg.checkpoint.storage_options,
+        )  # fmt: skip
+        self._metrics.log_config(self.cfg.to_yaml())
+        if self.resumed_from is not None:
+            self._metrics.event(f"Resumed from {self.resumed_from.url} (step {self.step})")
+        return self._ddp
+
+    def _resume(self) -> None:
+        checkpoints, cfg = self._checkpoints, self.cfg.checkpoint
+        if cfg.resume.strip() == "never":
+            self._start_afresh()
+            return
+        info = checkpoints.resolve(cfg.resume)
+        if info is None:
+            return
+        differences = identity_differences(info.identity, self.cfg.identity())
+        if differences and not cfg.allow_identity_change:
+            raise RunError(
+                f"Checkpoint {info.url} belongs to a run with other identity settings, so resuming it here "
+                f"would mix two runs: {'; '.join(differences)}. Start this one elsewhere (another run.name or "
+                "checkpoint.url), use the checkpoint's values, or pass --checkpoint.allow_identity_change=true "
+                "to continue that run with the new values."
+            )
+        if differences:
+            log.warning("[%d/%d] Resuming %s with changed identity settings: %s.", self.rank, info.step, info.url,
+                        "; ".join(differences))  # fmt: skip
+        self._rng_restored = checkpoints.load(info, self._state, rank_state={RNG: self._rng})
+        self.step, self.resumed_from = info.step, info
+
+    def _start_afresh(self) -> None:
+        """``checkpoint.resume=never``: refuse a URL holding another run's checkpoints, or clear it."""
+        checkpoints, cfg = self._checkpoints, self.cfg.checkpoint
+        existing = checkpoints.list_collective()
+        if not existing:
+            return
+        steps = ", ".join(str(info.step) for info in existing[-5:])
+        if not cfg.overwrite:
+            raise RunError(
+                f"checkpoint.resume=never, but {checkpoints.url} already holds {len(existing)} checkpoint(s) "
+                f"(steps ... {steps}). A new run there would mix its checkpoints with theirs. Use another "
+                "checkpoint.url (or run.name), resume them (checkpoint.resume=auto), or pass "
+                "--checkpoint.overwrite=true to delete them and start over."
+            )
+        log.warning("[%d/0] checkpoint.overwrite: deleting %d checkpoint(s) under %s.", self.rank, len(existing),
+                    checkpoints.url)  # fmt: skip
+        checkpoints.remove_all()
+
+    # -------------------------------------------------------------------------------------- loop
+
+    def steps(
+        self, dataset: Any, *, collate_fn: Callable[[list[Any]], Any] | None = None, fingerprint: str = ""
+    ) -> Iterator[Step]:
+        """The training loop's steps over ``dataset`` (a map-style dataset: ``__len__``, ``__getitem__``).
+
+        Each step holds this rank's share of the next ``train.global_batch_size`` samples, split into
+        micro-batches of at most ``train.micro_batch_size`` and batched by ``collate_fn`` (default
+        ``torch.utils.data.default_collate``). ``fingerprint`` (optional) names the dataset's contents;
+        a resume over a dataset with another fingerprint or size is refused. The loop ends by itself at
+        ``train.max_steps``, ``train.exit_at_step`` or a stop request, after a blocking checkpoint; leaving
+        it early (``break``) is an error, since the steps since the last checkpoint would be lost.
+        """
+        if self._state is None:
+            raise RunError("Call run.setup(model, optimizer, ...) before run.steps(): the loop starts where the checkpoint ends.")
+        if self._looped:
+            raise RunError("run.steps() can run once per worker; the run's end is the process's end.")
+        self._looped = True
+        where = self.resumed_from.url if self.resumed_from is not None else "(none)"
+        self._data.bind(check_dataset(dataset), fingerprint, where)
+        return self._loop(dataset, collate_fn)
+
+    def _loop(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> Iterator[Step]:
+        train, data = self.cfg.train, self.cfg.data
+        end = train.max_steps
+        if train.exit_at_step and train.exit_at_step > self.step:
+            end = min(end, train.exit_at_step)
+        sampler = ElasticSampler(self._data.num_samples, train.global_batch_size, train.seed)
+        batches = StepBatches(
+            dataset, sampler, self._data.cursor, rank=self.rank, world_size=self.world_size,
+            num_steps=max(end - self.step, 0), start_step=self.step, micro_batch_size=train.micro_batch_size,
+            num_workers=data.num_workers, prefetch_batches=data.prefetch_batches, collate_fn=collate_fn,
+        )  # fmt: skip
+        ledger = StepLedger(self.cfg.run.dir, rank=self.rank, world_size=self.world_size, resume_step=self.step,
+                            enabled=data.ledger)  # fmt: skip
+        agreement = StopAgreement(self._stop_signal, self._control)
+        self._start_generators()
+        if self.step >= end:
+            log.info("[%d/%d] Nothing to train: the run is at step %d of %d.", self.rank, self.step, self.step, end)
+            self.ended = ENDED_FINISHED
+            ledger.close()
+            return
+        self._ddp.train()
+        timing = _Timing(self.step)
+        try:
+            for batch in _timed(batches, timing):
+                maybe_inject(batch.step, self.rank)  # chaos tests only; one dict lookup otherwise
+                step = Step(batch, self._ddp, self.device)
+                yield step
+                step._check_complete()
+                self.step, self._data.cursor = batch.step, batch.cursor_after
+                self.failures.step = self.step
+                stop = agreement.after_step()
+                exiting = self.step == end
+                loss = None
+                if data.ledger or self._metrics.should_log(self.step):
+                    loss = self._global_loss(step)
+                ledger.record(self.step, batch.rank_indices, loss if loss is not None else float("nan"))
+                if stop or exiting or (self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0):
+                    self._save(blocking=stop or exiting)
+                if loss is not None:
+                    self._log_step(step, loss, timing)
+                if stop:
+                    self.ended = ENDED_STOPPED if self._stop_signal.requested else ENDED_MEMBERSHIP
+                    self._metrics.event(f"Stopped at step {self.step} for a stop request; checkpoint committed")
+                    return
+                if exiting:
+                    self.ended = ENDED_FINISHED if self.step == train.max_steps else ENDED_EXIT_AT_STEP
+                    if self.ended == ENDED_EXIT_AT_STEP:
+                        self._metrics.event(f"Exiting after step {self.step} (train.exit_at_step); checkpoint committed")
+                    return
+        finally:
+            agreement.close()
+            ledger.close()
+
+    def _start_generators(self) -> None:
+        # Same world size, restored: continue each rank's stream exactly. Otherwise a stream per rank
+        # derived from the seed, the rank and the step: reproducible, and different on every rank.
+        if self._rng_restored:
+            self._rng.apply()
+        else:
+            seed_everything(derive_seed("rank", self.cfg.train.seed, self.rank, self.step))
+
+    def _global_loss(self, step: Step) -> float:
+        totals = step._loss_and_samples()
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(totals)
+        loss_sum, samples = totals.tolist()
+        return loss_sum / max(samples, 1.0)
+
+    def _save(self, *, blocking: bool) -> None:
+        checkpoints = self._checkpoints
+        ok = checkpoints.save(self.step, self._state, rank_state={RNG: RNGState(self.device)}, blocking=blocking)
+        if blocking and not ok:
+            raise RunError(
+                f"The checkpoint of step {self.step} could not be saved, so this run's work since its last "
+                f"checkpoint would be lost: {checkpoints.last_error}"
+            )
+        limit = self.cfg.checkpoint.max_failed_saves
+        if checkpoints.consecutive_failed_saves >= limit:
+            raise RunError(
+                f"{checkpoints.consecutive_failed_saves} checkpoint saves in a row failed "
+                f"(checkpoint.max_failed_saves={limit}); training on would risk everything since the last "
+                f"good one. The last error: {checkpoints.last_error}"
+            )
+
+    def _log_step(self, step: Step, loss: float, timing: _Timing) -> None:
+        step_time_s, data_wait_s = timing.per_step(self.step)
+        samples = self.cfg.train.global_batch_size
+        scalars = {
+            "train/loss": loss,
+            "train/lr": float(self._optimizer.param_groups[0]["lr"]),
+            "perf/step_time_s": step_time_s,
+            "perf/data_wait_s": data_wait_s,
+            "perf/samples_per_s": samples / step_time_s if step_time_s > 0 else 0.0,
+            **{name: float(value) for name, value in step.scalars.items()},
+            **self._checkpoints.metrics(),
+        }
+        self._metrics.log_step(self.step, scalars)
+
+    def event(self, text: str) -> None:
+        """Record a notable happening in TensorBoard's events and on the console (rank 0)."""
+        self._metrics.event(text)
+
+    # ---------------------------------------------------------------------------------- teardown
+
+    def finish(self) -> int:
+        """Ordered teardown after the script returned; the process's exit status (see the module docstring)."""
+        if self.ended is None:
+            raise RunError(
+                f"The training script returned at step {self.step}, before run.steps() reached its end "
+                f"(train.max_steps={self.cfg.train.max_steps}); the steps since the last checkpoint would be "
+                "lost. Let the loop end by itself; to end early use --train.exit_at_step."
+            )
+        if self._checkpoints is not None and not self._checkpoints.close():
+            raise RunError(f"The last checkpoint save failed: {self._checkpoints.last_error}")
+        self._metrics.summary(self.ended)
+        self._metrics.close(self.ended)
+        shutdown_distributed()
+        if self.ended in (ENDED_STOPPED, ENDED_MEMBERSHIP):
+            # Preempted ranks leave now; survivors wait for their agent to restart them at the new
+            # membership, so the stop costs neither steps nor one of torchrun's --max-restarts.
+            return wait_for_restart(self._stop_signal, self.cfg.dist.restart_wait_s)
+        return 0
+
+
+class _Timing:
+    """Wall time and data wait per step, averaged between logged steps (a sync happens at each)."""
+
+    def __init__(self, step: int) -> None:
+        self._since_step, self._since = step, time.perf_counter()
+        self._wait = 0.0
+
+    def add_wait(self, seconds: float) -> None:
+        self._wait += seconds
+
+    def per_step(self, step: int) -> tuple[float, float]:
+        now, steps = time.perf_counter(), max(step - self._since_step, 1)
+        out = ((now - self._since) / steps, self._wait / steps)
+        self._since_step, self._since, self._wait = step, now, 0.0
+        return out
+
+
+def _timed(batches: StepBatches, timing: _Timing) -> Iterator[StepBatch]:
+    iterator = iter(batches)
+    while True:
+        started = time.perf_counter()
+        batch = next(iterator, None)
+        if batch is None:
+            return
+        timing.add_wait(time.perf_counter() - started)
+        yield batch
+
+
+# ---------------------------------------------------------------------------------------- launch
+
+
+def launch(
+    main: Callable[[Run], object], config: type[Config] | Config = Config, argv: Sequence[str] | None = None
+) -> NoReturn:
+    """Run ``main(run)`` as one worker of an elastic job, then exit with the protocol's status.
+
+    ``config``: the script's :class:`~elastic_ddp.config.Config` subclass (its own sections beside the
+    library's), or an instance whose values are the defaults; ``argv`` (default ``sys.argv[1:]``)
+    holds ``--config FILE`` and ``--section.field=value`` overrides. A bad setting exits 2 before any
+    process group exists. An exception is recorded (``failures.jsonl``, torchrun's error file) and
+    the worker leaves at once with status 1; a known failure prints one clear line, anything else
+    its traceback.
+    """
+    try:
+        cfg = load_config(sys.argv[1:] if argv is None else list(argv), config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
+    # SIGTERM now means "checkpoint at a step boundary, then exit", within grace_s.
+    stop_signal = StopSignal(grace_s=cfg.checkpoint.grace_s)
+    exit_when_orphaned()  # if our torchrun agent dies, do not train on as a ghost
+    configure_logging("worker")
+    try:
+        run = Run(cfg, stop_signal)
+        with run.failures:  # a crash that recurs at the same step ends with one clear error
+            main(run)
+        code = run.finish()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else EXIT_FAILED
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the same way: reported, then gone
+        _report_and_exit(exc)
+    sys.exit(code)
+
+
+_KNOWN = (RunError, CheckpointError, RecurringFailureError)
+
+
+def _report_and_exit(exc: BaseException) -> NoReturn:
+    """Record ``exc`` for torchrun and leave now, skipping interpreter cleanup.
+
+    Destroying a process group whose peer hangs can block forever (gloo waits on the frozen peer's
+    socket), and a failed worker must be gone for its agent to restart the group.
+    """
+    if isinstance(exc, _KNOWN):
+        log.error("%s", exc)
+    else:
+        traceback.print_exception(exc)
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(exc)  # torchrun prints it as the root cause
+    except Exception:  # noqa: BLE001 - the error is already on stderr; the file is a courtesy
+        pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(EXIT_FAILED)
