@@ -71,7 +71,7 @@ from elastic_ddp.logs import configure_logging
 from elastic_ddp.metrics import (
     ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_MEMBERSHIP, ENDED_STOPPED, Metrics, create_metrics,
 )  # fmt: skip
-from elastic_ddp.state import ModelState, OptimizerState, RNGState, Stateful, check_stateful
+from elastic_ddp.state import ModelState, OptimizerState, Stateful, check_stateful
 from elastic_ddp.stop import EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, wait_for_restart
 
 __all__ = ["Run", "RunError", "Step", "launch"]
@@ -79,7 +79,7 @@ __all__ = ["Run", "RunError", "Step", "launch"]
 log = logging.getLogger(__name__)
 
 # Names the run gives the objects it registers itself; a script's own objects take other names.
-MODEL, OPTIMIZER, SCHEDULER, DATA, RNG = "model", "optimizer", "scheduler", "data", "rng"
+MODEL, OPTIMIZER, SCHEDULER, DATA = "model", "optimizer", "scheduler", "data"
 
 
 class RunError(RuntimeError):
@@ -137,29 +137,6 @@ class DataState:
                 )
         self.num_samples = num_samples
         self.fingerprint = fingerprint
-
-
-class _DeferredRNG:
-    """The per-rank generators from a checkpoint, applied only when the loop starts.
-
-    Whatever the script does between ``setup()`` and the first step (build a dataset, draw a split)
-    it did in the uninterrupted run too, before the saved step; restoring the generators just before
-    the next step is what makes a resumed run draw exactly what the uninterrupted one drew.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self._live = RNGState(device)
-        self.saved: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._live.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.saved = dict(state)
-
-    def apply(self) -> None:
-        if self.saved is not None:
-            self._live.load_state_dict(self.saved)
 
 
 class Step:
@@ -275,8 +252,6 @@ class Run:
         self.resumed_from: CheckpointInfo | None = None
         self._state: dict[str, Stateful] | None = None
         self._data = DataState()
-        self._rng = _DeferredRNG(self.device)
-        self._rng_restored = False
         self._ddp: DistributedDataParallel | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._checkpoints: CheckpointManager | None = None
@@ -323,7 +298,7 @@ class Run:
         ``model`` must already be on :attr:`device`. ``scheduler`` and every keyword object (a
         ``torch.amp.GradScaler``, the script's own counters: anything with ``state_dict()`` and
         ``load_state_dict()``) are saved in every checkpoint and restored on resume, as are the model,
-        the optimizer, the data position and each rank's random generators. ``ddp_kwargs`` go to
+        the optimizer and the data position. ``ddp_kwargs`` go to
         ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``). Collective; call once.
         """
         if self._state is not None:
@@ -382,7 +357,7 @@ class Run:
         if differences:
             log.warning("[%d/%d] Resuming %s with changed identity settings: %s.", self.rank, info.step, info.url,
                         "; ".join(differences))  # fmt: skip
-        self._rng_restored = checkpoints.load(info, self._state, rank_state={RNG: self._rng})
+        checkpoints.load(info, self._state)
         self.step, self.resumed_from = info.step, info
 
     def _start_afresh(self) -> None:
@@ -440,7 +415,6 @@ class Run:
         ledger = StepLedger(self.cfg.run.dir, rank=self.rank, world_size=self.world_size, resume_step=self.step,
                             enabled=data.ledger)  # fmt: skip
         agreement = StopAgreement(self._stop_signal, self._control)
-        self._start_generators()
         if self.step >= end:
             log.info("[%d/%d] Nothing to train: the run is at step %d of %d.", self.rank, self.step, self.step, end)
             self.ended = ENDED_FINISHED
@@ -449,7 +423,7 @@ class Run:
         self._ddp.train()
         timing = _Timing(self.step)
         try:
-            for batch in _timed(batches, timing):
+            for batch in _timed(batches, timing, self._seed_step):
                 maybe_inject(batch.step, self.rank)  # chaos tests only; one dict lookup otherwise
                 step = Step(batch, self._ddp, self.device)
                 yield step
@@ -479,13 +453,12 @@ class Run:
             agreement.close()
             ledger.close()
 
-    def _start_generators(self) -> None:
-        # Same world size, restored: continue each rank's stream exactly. Otherwise a stream per rank
-        # derived from the seed, the rank and the step: reproducible, and different on every rank.
-        if self._rng_restored:
-            self._rng.apply()
-        else:
-            seed_everything(derive_seed("rank", self.cfg.train.seed, self.rank, self.step))
+    def _seed_step(self, step: int) -> None:
+        # Every random generator of this process starts each step from a seed derived from the run's
+        # seed, this rank and the step: what a step draws is a function of (seed, rank, step), so a
+        # resume from any checkpoint at the same world size draws exactly what the uninterrupted run
+        # drew -- plain nn.Dropout included -- with no generator state to store or lose with a node.
+        seed_everything(derive_seed("step", self.cfg.train.seed, self.rank, step))
 
     def _global_loss(self, step: Step) -> float:
         totals = step._loss_and_samples()
@@ -496,7 +469,7 @@ class Run:
 
     def _save(self, *, blocking: bool) -> None:
         checkpoints = self._checkpoints
-        ok = checkpoints.save(self.step, self._state, rank_state={RNG: RNGState(self.device)}, blocking=blocking)
+        ok = checkpoints.save(self.step, self._state, blocking=blocking)
         if blocking and not ok:
             raise RunError(
                 f"The checkpoint of step {self.step} could not be saved, so this run's work since its last "
@@ -567,9 +540,14 @@ class _Timing:
         return out
 
 
-def _timed(batches: StepBatches, timing: _Timing) -> Iterator[StepBatch]:
+def _timed(batches: StepBatches, timing: _Timing, before_step: Callable[[int], None]) -> Iterator[StepBatch]:
+    """The batches, each fetched after ``before_step(step)`` (so a dataset drawing random numbers in
+    the training process draws them from that step's seeds), with the time spent waiting for it."""
     iterator = iter(batches)
+    step = batches.start_step
     while True:
+        step += 1
+        before_step(step)
         started = time.perf_counter()
         batch = next(iterator, None)
         if batch is None:

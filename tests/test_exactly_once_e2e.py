@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from elastic_ddp.checkpoint import cli as ckpt_cli
-from elastic_ddp.config import DataConfig
-from elastic_ddp.data import ByteWindows, DataCursor, ElasticSampler, LedgerStep, load_corpus, read_ledger
+from elastic_ddp.data import DataCursor, ElasticSampler, LedgerStep, read_ledger
+from elastic_ddp.lm import ByteWindows, CorpusConfig, load_corpus
 from tests.helpers.job import Job, resumed_steps, steps
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ REL_L2_BOUND = 1e-4
 
 
 def samples_per_epoch() -> int:
-    return len(ByteWindows(load_corpus(DataConfig(max_bytes=MAX_BYTES)), BLOCK))
+    return len(ByteWindows(load_corpus(CorpusConfig(max_bytes=MAX_BYTES)), BLOCK))
 
 
 def run(endpoint: str, root: Path, run_id: str, *, nproc: int, attempt: str, exit_at: int = 0, env=None) -> Job:

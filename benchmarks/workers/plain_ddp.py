@@ -20,9 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from elastic_ddp.config import DataConfig, ModelConfig
-from elastic_ddp.data import ByteWindows, load_corpus
-from elastic_ddp.model import ByteGPT
+from elastic_ddp.lm import ByteGPT, ByteGPTConfig, ByteWindows, CorpusConfig, load_corpus
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,7 +45,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model = ByteGPT(ModelConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
+    model = ByteGPT(ByteGPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     step = 0
     if args.ckpt_path and os.path.exists(args.ckpt_path):
@@ -57,7 +55,7 @@ def main() -> None:
         step = int(state["step"])
     ddp_model = DDP(model)
 
-    windows = ByteWindows(load_corpus(DataConfig(max_bytes=args.max_bytes)), args.block_size)
+    windows = ByteWindows(load_corpus(CorpusConfig(max_bytes=args.max_bytes)), args.block_size)
     sampler = DistributedSampler(windows, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(windows, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True)
     first_logged = False

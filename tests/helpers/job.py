@@ -25,6 +25,7 @@ from tests.helpers.nodes import Node, start_node, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "train.py"
+CLASSIFIER = REPO / "recipes" / "train_classifier.py"
 ENV_RELIABILITY_OUT = "ELASTIC_DDP_RELIABILITY_OUT"
 
 # A model and corpus small enough that a step takes milliseconds on a loaded 2-core machine.
@@ -33,6 +34,8 @@ TINY = [
     "--data.max_bytes=300000", "--train.global_batch_size=8", "--train.warmup_steps=2",
     "--logging.every_steps=1",
 ]  # fmt: skip
+# The same for recipes/train_classifier.py (its model is small already).
+TINY_CLASSIFIER = ["--train.global_batch_size=8", "--logging.every_steps=1"]
 
 STEP_LINE = re.compile(r"step=(\d+)/(\d+) loss=([\d.]+).* world_size=(\d+)")
 RESUMED_LINE = re.compile(r"event: Resumed from (\S+) \(step (\d+)\)")
@@ -64,6 +67,7 @@ class Job:
     run_id: str = field(default_factory=lambda: f"job-{uuid.uuid4().hex[:8]}")
     # A rendezvous closes when its job ends; a later job continuing the same run needs a new one.
     rdzv_id: str = ""
+    recipe: Path = RECIPE
     nodes: list[Node] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -79,17 +83,22 @@ class Job:
             f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
             "--rdzv-backend=etcd", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
             *self.torchrun_flags, *torchrun_flags,
-            str(RECIPE), f"--run.root={self.root}", f"--run.name={self.run_id}", *TINY, *self.flags,
+            str(self.recipe), f"--run.root={self.root}", f"--run.name={self.run_id}",
+            *(TINY if self.recipe == RECIPE else TINY_CLASSIFIER), *self.flags,
         ]  # fmt: skip
 
     def add_node(
-        self, command_prefix: Sequence[str] = (), extra_env: dict[str, str] | None = None, torchrun_flags: Sequence[str] = ()
+        self, command_prefix: Sequence[str] = (), extra_env: dict[str, str] | None = None,
+        torchrun_flags: Sequence[str] = (), cwd: Path | None = None,
     ) -> Node:
-        """Start one more agent; ``command_prefix`` (e.g. ``ip netns exec NS``), ``extra_env`` and
-        ``torchrun_flags`` apply to this node only."""
+        """Start one more agent; ``command_prefix`` (e.g. ``ip netns exec NS``), ``extra_env``,
+        ``torchrun_flags`` and ``cwd`` (a directory of its own: a machine with its own disk) apply to
+        this node only."""
         index = len(self.nodes)
         command = [*command_prefix, *self.command(torchrun_flags)]
-        node = start_node(command, env(**self.extra_env, **(extra_env or {})), self.root / f"{self.rdzv_id}-node{index}.log")
+        node = start_node(
+            command, env(**self.extra_env, **(extra_env or {})), self.root / f"{self.rdzv_id}-node{index}.log", cwd=cwd
+        )  # fmt: skip
         self.nodes.append(node)
         return node
 

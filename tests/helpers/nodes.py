@@ -148,12 +148,16 @@ class Node:
         self.cleanup()
 
 
-def start_node(cmd: Sequence[str], env: Mapping[str, str] | None, log_path: str | os.PathLike) -> Node:
-    """Start ``cmd`` (a torchrun command line) with ``env`` (None: inherit), output to ``log_path``."""
+def start_node(
+    cmd: Sequence[str], env: Mapping[str, str] | None, log_path: str | os.PathLike, cwd: str | os.PathLike | None = None
+) -> Node:
+    """Start ``cmd`` (a torchrun command line) with ``env`` (None: inherit) in ``cwd`` (None: this
+    directory; a node of its own directory is like a machine with its own disk), output to ``log_path``."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "ab")
     process = subprocess.Popen(
-        list(cmd), env=None if env is None else dict(env), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
-    )
+        list(cmd), env=None if env is None else dict(env), stdin=subprocess.DEVNULL, stdout=log_file,
+        stderr=subprocess.STDOUT, cwd=cwd,
+    )  # fmt: skip
     return Node(process, log_path, log_file)
