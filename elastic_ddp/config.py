@@ -213,7 +213,19 @@ class CheckpointConfig(Section):
     write_threads: int = Field(
         default=2,
         ge=1,
-        description="Threads (and so files) each rank writes its shards with; hashing runs in the same threads.",
+        description=(
+            "Files each rank writes its share of a checkpoint into, in as many threads (each hashing its "
+            "file as it goes); also the threads a rank reads its share of a resume with."
+        ),
+    )
+    min_file_mb: float = Field(
+        default=16.0,
+        ge=0,
+        description=(
+            "Smallest data file a save plans (MiB). With many ranks and a small state, fewer ranks write "
+            "(spread evenly over the nodes) rather than many tiny files, which object stores serve slowly. "
+            "0: every rank writes write_threads files, however small."
+        ),
     )
     timeout_s: float = Field(
         default=600.0,
@@ -297,13 +309,15 @@ class Config(Section):
         # Derived defaults are filled in here, once, so every component sees concrete values. They
         # stay "unset": a config used as the defaults of load_config derives them again from the
         # final run name and root.
-        for section, field, value in (
-            (self.run, "name", lambda: default_run_name()),
-            (self.checkpoint, "url", lambda: f"{self.run.dir}/checkpoints"),
-            (self.logging, "tensorboard_dir", lambda: f"{self.run.dir}/tensorboard"),
-        ):
+        derive = {
+            ("run", "name"): default_run_name,
+            ("checkpoint", "url"): lambda: f"{self.run.dir}/checkpoints",
+            ("logging", "tensorboard_dir"): lambda: f"{self.run.dir}/tensorboard",
+        }
+        for section_name, field in _DERIVED:
+            section = getattr(self, section_name)
             if not getattr(section, field):
-                setattr(section, field, value())
+                setattr(section, field, derive[section_name, field]())
                 section.__pydantic_fields_set__.discard(field)
         return self
 
@@ -390,7 +404,7 @@ def load_config(argv: list[str] | None = None, config: type[Config] | Config = C
     value and what is allowed.
     """
     if isinstance(config, Config):
-        cls, data = type(config), config.model_dump(exclude_unset=True)
+        cls, data = type(config), _values_of(config)
     elif isinstance(config, type) and issubclass(config, Config):
         cls, data = config, {}
     else:
@@ -426,6 +440,19 @@ def load_config(argv: list[str] | None = None, config: type[Config] | Config = C
         return cls.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+# Filled in by Config from the run name and root unless set: not part of an instance's own values.
+_DERIVED = (("run", "name"), ("checkpoint", "url"), ("logging", "tensorboard_dir"))
+
+
+def _values_of(config: Config) -> dict[str, Any]:
+    """Every value of ``config`` (assignments included), without the derived defaults it filled in."""
+    data = config.model_dump()
+    for section, field in _DERIVED:
+        if field not in getattr(config, section).__pydantic_fields_set__:
+            data[section].pop(field, None)
+    return data
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

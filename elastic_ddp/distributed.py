@@ -95,19 +95,38 @@ def select_device(local_rank: int, cuda_devices: int, visible: str | None) -> to
     )
 
 
-def gloo_interface_from_nccl(environ: dict[str, str]) -> str | None:
+def _host_interfaces() -> list[str]:
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError:  # not every platform can list them; gloo then picks by host name
+        return []
+
+
+def gloo_interface_from_nccl(environ: dict[str, str], interfaces: list[str] | None = None) -> str | None:
     """The ``GLOO_SOCKET_IFNAME`` to use when only ``NCCL_SOCKET_IFNAME`` names interfaces, else None.
 
-    NCCL's value may be a prefix list (``eth,ib``), an exact list (``=eth0``) or an exclusion
-    (``^docker``); gloo takes exact names. Only an exact or plain list carries over; an exclusion or
-    an empty value leaves gloo to pick by host name, as before.
+    NCCL's value may be a prefix list (``eth,ib``: every interface whose name starts with one), an
+    exact list (``=eth0,eth1``) or an exclusion (``^docker``); gloo takes exact names only (a prefix
+    such as ``eth`` makes it fail: "Unable to find address for: eth"). An exact list carries over as
+    it is. A prefix list becomes the first of this host's ``interfaces`` (default: all of them, in
+    the kernel's order) that matches a prefix, trying the prefixes in their order: one interface,
+    because every rank must give gloo the same number of them, and nodes may differ in how many
+    match. An exclusion, an empty value or a prefix that matches nothing leaves gloo to pick by
+    host name, as without the variable.
     """
     if environ.get(ENV_GLOO_SOCKET_IFNAME):
         return None
     value = environ.get(ENV_NCCL_SOCKET_IFNAME, "").strip()
     if not value or value.startswith("^"):
         return None
-    return value.removeprefix("=")
+    if value.startswith("="):
+        return value[1:]
+    names = _host_interfaces() if interfaces is None else interfaces
+    for prefix in filter(None, (part.strip() for part in value.split(","))):
+        for name in names:
+            if name.startswith(prefix):
+                return name
+    return None
 
 
 def init_distributed(cfg: DistConfig) -> DistContext:

@@ -257,6 +257,7 @@ class Run:
         self._checkpoints: CheckpointManager | None = None
         self._metrics: Metrics = Metrics(cfg.logging, max_steps=cfg.train.max_steps)
         self._looped = False
+        self._in_step = 0
         self.ended: str | None = None
 
     # ------------------------------------------------------------------------------ where we are
@@ -426,6 +427,7 @@ class Run:
             for batch in _timed(batches, timing, self._seed_step):
                 maybe_inject(batch.step, self.rank)  # chaos tests only; one dict lookup otherwise
                 step = Step(batch, self._ddp, self.device)
+                self._in_step = batch.step
                 yield step
                 step._check_complete()
                 self.step, self._data.cursor = batch.step, batch.cursor_after
@@ -507,12 +509,14 @@ class Run:
         """Ordered teardown after the script returned; the process's exit status (see the module docstring)."""
         if self.ended is None:
             raise RunError(
-                f"The training script returned at step {self.step}, before run.steps() reached its end "
+                f"The training script returned during step {max(self._in_step, self.step)}, before run.steps() reached its end "
                 f"(train.max_steps={self.cfg.train.max_steps}); the steps since the last checkpoint would be "
                 "lost. Let the loop end by itself; to end early use --train.exit_at_step."
             )
         if self._checkpoints is not None and not self._checkpoints.close():
             raise RunError(f"The last checkpoint save failed: {self._checkpoints.last_error}")
+        if self.ended in (ENDED_STOPPED, ENDED_MEMBERSHIP):
+            self._stop_signal.stopped()
         self._metrics.summary(self.ended)
         self._metrics.close(self.ended)
         shutdown_distributed()

@@ -61,6 +61,7 @@ class StopSignal:
         self.received_at: float | None = None
         self.repeats = 0
         self._grace_s = grace_s
+        self._timer: threading.Timer | None = None
         self._woken = threading.Event()
         self._previous = {}
         for signum in signals:
@@ -77,9 +78,9 @@ class StopSignal:
         self.received_at = time.monotonic()
         self._woken.set()
         if self._grace_s is not None:
-            timer = threading.Timer(self._grace_s, self._grace_expired)
-            timer.daemon = True
-            timer.start()
+            self._timer = threading.Timer(self._grace_s, self._grace_expired)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _grace_expired(self) -> None:
         log.error(
@@ -88,6 +89,11 @@ class StopSignal:
         )  # fmt: skip
         logging.shutdown()
         os._exit(EXIT_STOP_TIMEOUT)
+
+    def stopped(self) -> None:
+        """The stop reached its step boundary and its checkpoint: the grace timer has nothing left to bound."""
+        if self._timer is not None:
+            self._timer.cancel()
 
     def wait(self, timeout: float) -> bool:
         """Block until a signal is received (True) or ``timeout`` s pass (False)."""

@@ -1,13 +1,97 @@
-"""Configuration errors name the field and what was expected, and never echo a credential."""
+"""Configuration: the library's and a script's own sections load from YAML and flags alike, errors name
+the field and what was expected and never echo a credential, the run's identity is collected from
+sections and fields, the run's name survives torchrun --standalone, and every shipped YAML file loads
+with its recipe's settings."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
+import uuid
+from pathlib import Path
+from typing import Annotated, ClassVar
+
 import pytest
 import yaml
+from pydantic import Field, model_validator
 
-from elastic_ddp.config import ConfigError, load_config
+from elastic_ddp.config import (
+    ENV_TORCHELASTIC_RUN_ID,
+    IDENTITY,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    Section,
+    TrainConfig,
+    default_run_name,
+    identity_differences,
+    load_config,
+)
+from elastic_ddp.lm import CorpusConfig
 
+REPO = Path(__file__).resolve().parents[1]
 SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"
+
+
+# A script's own settings, as a training script declares them.
+
+
+class Optim(Section):
+    lr: float = Field(default=0.1, gt=0, description="Learning rate.")
+    momentum: float = Field(default=0.9, ge=0, lt=1, description="Momentum.")
+
+
+class Model(Section):
+    identity: ClassVar[bool] = True
+
+    hidden: int = Field(default=64, gt=0, description="Width of the hidden layer.")
+    layers: int = Field(default=2, gt=0, description="Number of layers.")
+
+
+class Train(TrainConfig):
+    """The library's train section plus a field of the script's, one of them part of the identity."""
+
+    warmup_steps: int = Field(default=10, ge=0, description="Warm-up steps.")
+    label_smoothing: Annotated[float, IDENTITY] = Field(default=0.0, ge=0, lt=1, description="Label smoothing.")
+
+    @model_validator(mode="after")
+    def _check_warmup(self) -> Train:
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"train.warmup_steps ({self.warmup_steps}) must not exceed train.max_steps ({self.max_steps})."
+            )
+        return self
+
+
+class Settings(Config):
+    train: Train = Field(default_factory=Train)
+    optim: Optim = Field(default_factory=Optim)
+    model: Model = Field(default_factory=Model)
+
+
+class Remote(Section):
+    url: str = ""
+    storage_options: dict = Field(default_factory=dict)
+
+
+class RemoteSettings(Config):
+    data: CorpusConfig = Field(default_factory=CorpusConfig)
+    remote: Remote = Field(default_factory=Remote)
+
+
+def write_yaml(tmp_path, data: dict) -> Path:
+    path = tmp_path / f"job-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def error_lines(exc: pytest.ExceptionInfo) -> list[str]:
+    """The message's lines after the heading (which names the source: a file, or flags)."""
+    return str(exc.value).splitlines()[1:]
+
+
+# --- errors ----------------------------------------------------------------------------------
 
 
 def test_a_bad_value_is_named_with_the_value_it_got():
@@ -17,17 +101,238 @@ def test_a_bad_value_is_named_with_the_value_it_got():
 
 def test_an_unknown_setting_is_named_without_its_value(tmp_path):
     # A mistyped "storage_options" carries the same credentials as the real one.
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump({"checkpoint": {"storage_option": {"secret": SECRET}}}))
+    config = write_yaml(tmp_path, {"checkpoint": {"storage_option": {"secret": SECRET}}})
     with pytest.raises(ConfigError) as raised:
         load_config([f"--config={config}"])
     assert "checkpoint.storage_option: unknown setting." in str(raised.value)
     assert SECRET not in str(raised.value)
 
 
-@pytest.mark.parametrize("section", ["checkpoint", "data"])
-def test_malformed_storage_options_are_named_without_their_value(section):
+@pytest.mark.parametrize(
+    "config,section", [(Config, "checkpoint"), (RemoteSettings, "data"), (RemoteSettings, "remote")]
+)
+def test_malformed_storage_options_are_named_without_their_value(config, section):
     with pytest.raises(ConfigError) as raised:
-        load_config([f"--{section}.storage_options={SECRET}"])
+        load_config([f"--{section}.storage_options={SECRET}"], config)
     assert f"{section}.storage_options:" in str(raised.value) and "value not shown" in str(raised.value)
     assert SECRET not in str(raised.value)
+
+
+def test_storage_options_of_a_section_without_them_are_an_unknown_setting_not_echoed():
+    with pytest.raises(ConfigError) as raised:
+        load_config([f"--data.storage_options={SECRET}"])  # the library's data section has none
+    assert "data.storage_options: unknown setting." in str(raised.value)
+    assert SECRET not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "values,expected",
+    [
+        ({"optim": {"lr": -1}}, ["  optim.lr: Input should be greater than 0 (got -1)."]),
+        ({"optim": {"nesterov": True}}, ["  optim.nesterov: unknown setting."]),
+        ({"model": {"hidden": "wide"}}, ["  model.hidden: Input should be a valid integer, unable to parse string "
+                                         "as an integer (got 'wide')."]),
+        ({"train": {"label_smoothing": 1.5}}, ["  train.label_smoothing: Input should be less than 1 (got 1.5)."]),
+        ({"train": {"max_steps": 0}}, ["  train.max_steps: Input should be greater than 0 (got 0)."]),
+        ({"train": {"max_steps": 5, "warmup_steps": 8}},
+         ["  train.warmup_steps (8) must not exceed train.max_steps (5)."]),
+    ],
+    ids=["user-bound", "user-unknown", "user-type", "extended-identity-field", "library-field", "extended-cross-check"],
+)  # fmt: skip
+def test_user_and_extended_sections_report_the_same_errors_from_yaml_and_flags(tmp_path, values, expected):
+    flags = [f"--{section}.{field}={value}" for section, fields in values.items() for field, value in fields.items()]
+    config = write_yaml(tmp_path, values)
+    with pytest.raises(ConfigError, match=r"^Invalid configuration \(flags\):") as from_flags:
+        load_config(flags, Settings)
+    heading = rf"^Invalid configuration \({re.escape(str(config))} and flags\):"
+    with pytest.raises(ConfigError, match=heading) as from_yaml:
+        load_config(["--config", str(config)], Settings)
+    assert error_lines(from_flags) == error_lines(from_yaml) == expected
+
+
+def test_user_and_extended_sections_load_from_yaml_and_flags_with_flags_last(tmp_path):
+    config = write_yaml(tmp_path, {"optim": {"lr": 0.5, "momentum": 0.0}, "train": {"warmup_steps": 3, "max_steps": 40},
+                                   "model": {"hidden": 128}})  # fmt: skip
+    cfg = load_config([f"--config={config}", "--optim.lr=0.25", "--train.label_smoothing=0.1"], Settings)
+    assert isinstance(cfg, Settings) and isinstance(cfg.train, Train)
+    assert (cfg.optim.lr, cfg.optim.momentum) == (0.25, 0.0)
+    assert (cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.label_smoothing) == (3, 40, 0.1)
+    assert cfg.train.global_batch_size == TrainConfig().global_batch_size  # the library's field kept its default
+    assert (cfg.model.hidden, cfg.model.layers) == (128, 2)
+
+
+def test_a_config_file_that_is_missing_or_not_a_mapping_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"Config file '.*nope.yaml' cannot be read"):
+        load_config(["--config", str(tmp_path / "nope.yaml")])
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of sections, not list"):
+        load_config([f"--config={listing}"])
+    with pytest.raises(ConfigError, match="--config needs a file name"):
+        load_config(["--config"])
+    with pytest.raises(ConfigError, match=r"'--max_steps=3': the key must be section.field"):
+        load_config(["--max_steps=3"])
+    with pytest.raises(ConfigError, match=r"'train.seed=3' is not of the form --section.field=value"):
+        load_config(["train.seed=3"])
+
+
+def test_a_config_field_that_is_not_a_section_is_a_type_error_at_class_definition_naming_it():
+    with pytest.raises(TypeError, match=r"Loose.learning_rate: every field of a Config must be a section"):
+
+        class Loose(Config):
+            learning_rate: float = 0.1
+
+    with pytest.raises(TypeError, match=r"MaybeOptim.optim: every field"):
+
+        class MaybeOptim(Config):
+            optim: Optim | None = None
+
+
+# --- identity --------------------------------------------------------------------------------
+
+
+def test_the_library_identity_is_the_seed_and_the_global_batch_size():
+    assert Config().identity() == {"train.global_batch_size": 32, "train.seed": 1337}
+
+
+def test_identity_collects_identity_sections_and_identity_fields_of_any_section():
+    cfg = load_config(["--model.hidden=32", "--train.seed=7", "--optim.lr=0.3"], Settings)
+    assert cfg.identity() == {
+        "train.global_batch_size": 32,
+        "train.seed": 7,
+        "train.label_smoothing": 0.0,  # an IDENTITY field of the extended library section
+        "model.hidden": 32,  # every field of an identity section
+        "model.layers": 2,
+    }
+
+
+def test_identity_differences_name_changed_added_and_removed_fields():
+    saved = {"train.seed": 1, "model.hidden": 64, "model.dropout": 0.1}
+    now = {"train.seed": 2, "model.hidden": 64, "model.layers": 3}
+    assert identity_differences(saved, now) == [
+        "model.dropout: checkpoint 0.1, now (not set)",
+        "model.layers: checkpoint (not set), now 3",
+        "train.seed: checkpoint 1, now 2",
+    ]
+    assert identity_differences(now, dict(now)) == []
+    assert identity_differences({"data.path": "a"}, {"data.path": "b"}) == ["data.path: checkpoint 'a', now 'b'"]
+
+
+# --- an instance as the defaults -------------------------------------------------------------
+
+
+def test_an_instance_passed_as_defaults_is_overridden_by_flags_and_derived_paths_follow_the_run_name():
+    defaults = Settings(run={"name": "first", "root": "/runs"}, optim=Optim(lr=0.5), train={"max_steps": 77})
+    assert defaults.checkpoint.url == "/runs/first/checkpoints"
+    cfg = load_config(["--run.name=second", "--optim.momentum=0.5"], defaults)
+    assert isinstance(cfg, Settings)
+    assert (cfg.optim.lr, cfg.optim.momentum, cfg.train.max_steps) == (0.5, 0.5, 77)
+    assert cfg.checkpoint.url == "/runs/second/checkpoints"
+    assert cfg.logging.tensorboard_dir == "/runs/second/tensorboard"
+    # The defaults are left as they were.
+    assert (defaults.run.name, defaults.checkpoint.url) == ("first", "/runs/first/checkpoints")
+    assert defaults.optim.momentum == 0.9
+
+
+def test_an_explicit_path_in_the_defaults_does_not_follow_the_run_name():
+    defaults = Config(run={"name": "first"}, checkpoint=CheckpointConfig(url="s3://bucket/kept"))
+    cfg = load_config(["--run.name=second"], defaults)
+    assert cfg.checkpoint.url == "s3://bucket/kept"
+    assert cfg.logging.tensorboard_dir == "runs/second/tensorboard"
+
+
+def test_an_assignment_to_a_defaults_section_survives_load_config():
+    defaults = Settings()
+    defaults.train.max_steps = 50
+    assert load_config([], defaults).train.max_steps == 50
+
+
+def test_config_is_neither_a_class_nor_an_instance_is_a_type_error():
+    with pytest.raises(TypeError, match="config must be a Config subclass or instance"):
+        load_config([], dict)
+
+
+# --- the run's name --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "run_id,argv0,expected",
+    [
+        (None, "/jobs/recipes/train_classifier.py", "train_classifier"),
+        ("", "/jobs/recipes/train.py", "train"),
+        (str(uuid.uuid4()), "/jobs/recipes/train.py", "train"),  # torchrun --standalone: random each launch
+        (str(uuid.uuid4()).upper(), "train.py", "train"),
+        ("my-run", "/jobs/recipes/train.py", "my-run"),  # torchrun --rdzv-id=my-run
+        (None, "-c", "default"),
+    ],
+    ids=["unset", "empty", "uuid", "uuid-upper", "rdzv-id", "no-script"],
+)
+def test_default_run_name_uses_a_given_run_id_and_otherwise_the_script_name(monkeypatch, run_id, argv0, expected):
+    if run_id is None:
+        monkeypatch.delenv(ENV_TORCHELASTIC_RUN_ID, raising=False)
+    else:
+        monkeypatch.setenv(ENV_TORCHELASTIC_RUN_ID, run_id)
+    monkeypatch.setattr(sys, "argv", [argv0, "--train.max_steps=3"])
+    assert default_run_name() == expected
+    cfg = load_config([])
+    assert cfg.run.name == expected and cfg.checkpoint.url == f"runs/{expected}/checkpoints"
+
+
+# --- YAML out --------------------------------------------------------------------------------
+
+
+def test_to_yaml_redacts_storage_options_in_every_section_and_round_trips_the_rest():
+    cfg = RemoteSettings(
+        checkpoint={"storage_options": {"key": "AKIA", "secret": SECRET}},
+        data={"path": "s3://bucket/corpus", "storage_options": {"secret": SECRET}},
+        remote={"url": "s3://bucket/x", "storage_options": {"token": SECRET}},
+    )
+    text = cfg.to_yaml()
+    assert SECRET not in text and "AKIA" not in text
+    expected = cfg.model_dump(mode="json")  # everything else as it is, keys of the options kept
+    expected["checkpoint"]["storage_options"] = {"key": "<redacted>", "secret": "<redacted>"}
+    expected["data"]["storage_options"] = {"secret": "<redacted>"}
+    expected["remote"]["storage_options"] = {"token": "<redacted>"}
+    assert yaml.safe_load(text) == expected
+    assert cfg.checkpoint.storage_options["secret"] == SECRET  # the live config keeps its values
+
+
+# --- the recipes' YAML files -----------------------------------------------------------------
+
+CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+
+
+def recipe_of(config: Path) -> Path:
+    """The recipe a config file names in its comments (``recipes/<name>.py``)."""
+    named = re.findall(r"recipes/(\w+)\.py", config.read_text())
+    assert named, f"{config.name} does not name the recipe it is for (recipes/<name>.py) in a comment"
+    return REPO / "recipes" / f"{named[0]}.py"
+
+
+def import_recipe(path: Path, monkeypatch):
+    # recipes/ is not a package: import the file by path, as a module of its own name.
+    name = f"recipe_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_there_are_recipe_configs():
+    assert {path.name for path in CONFIGS} >= {"classifier.yaml", "lm-gpu.yaml"}
+
+
+def _flatten(data: dict) -> dict:
+    return {f"{section}.{field}": value for section, fields in data.items() for field, value in fields.items()}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[path.name for path in CONFIGS])
+def test_every_recipe_config_loads_with_its_recipes_settings(config, monkeypatch):
+    recipe = import_recipe(recipe_of(config), monkeypatch)
+    cfg = load_config(["--config", str(config)], recipe.Settings)
+    given = _flatten(yaml.safe_load(config.read_text()))
+    loaded = _flatten(cfg.model_dump(mode="json"))
+    assert {key: loaded[key] for key in given} == given
+    # Flags after --config still win.
+    assert load_config(["--config", str(config), "--train.max_steps=3"], recipe.Settings).train.max_steps == 3

@@ -12,6 +12,7 @@ rank's share into micro-batches; each micro-batch is ``collate_fn([dataset[i] fo
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -251,7 +252,11 @@ def to_device(data: Any, device: torch.device, non_blocking: bool = True) -> Any
     if isinstance(data, torch.Tensor):
         return data.to(device, non_blocking=non_blocking)
     if isinstance(data, dict):
-        return type(data)((k, to_device(v, device, non_blocking)) for k, v in data.items())
+        # A copy keeps the mapping's type and extra state (a defaultdict's factory, whose
+        # constructor would take the items as its factory); then its values are replaced.
+        moved = copy.copy(data)
+        moved.update((k, to_device(v, device, non_blocking)) for k, v in data.items())
+        return moved
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
         return type(data)(*(to_device(v, device, non_blocking) for v in data))
     if isinstance(data, (list, tuple)):

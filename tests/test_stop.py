@@ -1,0 +1,217 @@
+"""How a worker stops: a stop signal that repeated signals cannot turn into a kill, a grace period
+that bounds a stuck stop, an agreement that all ranks reach at the same step, a survivor's wait for
+its restart, and the exit of a worker whose agent is gone."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+
+import pytest
+
+from elastic_ddp.stop import (
+    EXIT_NOT_RESTARTED,
+    EXIT_ORPHANED,
+    EXIT_STOP_TIMEOUT,
+    EXIT_STOPPED,
+    StopAgreement,
+    StopSignal,
+    wait_for_restart,
+)
+
+
+def python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture
+def stop_signal():
+    """A StopSignal for SIGTERM and SIGINT in this process, without a grace timer (which would end it)."""
+    stop = StopSignal()
+    yield stop
+    stop.restore()
+
+
+# --- StopSignal ------------------------------------------------------------------------------
+
+
+def test_a_second_and_third_sigterm_while_stopping_are_logged_and_ignored(stop_signal, caplog):
+    caplog.set_level(logging.WARNING, logger="elastic_ddp.stop")
+    assert not stop_signal.requested
+    # On Linux a signal a process sends itself is handled before os.kill returns.
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop_signal.requested and stop_signal.received == signal.SIGTERM
+    first_at = stop_signal.received_at
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+    # Still here, still stopping, the first signal's record unchanged.
+    assert stop_signal.requested and stop_signal.repeats == 2
+    assert (stop_signal.received, stop_signal.received_at) == (signal.SIGTERM, first_at)
+    repeats = [r.getMessage() for r in caplog.records if "received again" in r.getMessage()]
+    assert repeats == ["Signal SIGTERM received again while stopping; the stop checkpoint goes on."] * 2
+
+
+def test_ctrl_c_is_a_stop_request_too_and_a_later_sigterm_does_not_replace_it(stop_signal):
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop_signal.received == signal.SIGINT and stop_signal.repeats == 1
+
+
+def test_restore_puts_back_the_previous_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignal(signals=(signal.SIGTERM,))
+    assert signal.getsignal(signal.SIGTERM) == stop._handle
+    stop.restore()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_stop_that_does_not_finish_within_the_grace_period_exits_with_its_own_status():
+    result = python("""
+        import logging, os, signal, threading
+        from elastic_ddp.stop import StopSignal
+        logging.basicConfig(level=logging.INFO)
+        stop = StopSignal(grace_s=0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # a repeat does not kill it
+        print("stopping", stop.requested, stop.repeats, flush=True)
+        threading.Event().wait(100)  # a rank stuck where it cannot reach a step boundary
+        print("still running", flush=True)
+    """)
+    assert result.returncode == EXIT_STOP_TIMEOUT, result.stderr
+    assert result.stdout.splitlines() == ["stopping True 1"]
+    assert "has not finished its stop at a step boundary; exiting" in result.stderr
+
+
+# --- StopAgreement ---------------------------------------------------------------------------
+
+
+def test_without_a_group_the_agreement_reads_the_flag_directly():
+    flag = types.SimpleNamespace(requested=False)
+    agreement = StopAgreement(flag, group=None)
+    assert agreement.after_step() is False
+    flag.requested = True
+    assert agreement.after_step() is True
+    agreement.close()
+
+
+_AGREEMENT_WORKER = """
+import json, sys, types
+import torch
+import torch.distributed as dist
+from elastic_ddp.stop import StopAgreement
+
+rank, store_path, scenarios = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+group = dist.new_group(backend="gloo")
+results = []
+for flag_rank, k in scenarios:
+    flag = types.SimpleNamespace(requested=False)
+    agreement = StopAgreement(flag, group)
+    agreed = []
+    for step in range(1, k + 2):
+        if rank == flag_rank and step == k:
+            flag.requested = True  # the signal arrives before step k's work
+        gradient = torch.ones(1)
+        dist.all_reduce(gradient)  # the step's own collective, on the default group
+        agreed.append(agreement.after_step())
+    agreement.close()
+    results.append(agreed)
+print(json.dumps(results), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_flag_set_on_one_rank_before_step_k_is_agreed_by_both_ranks_after_step_k_plus_1(tmp_path):
+    scenarios = [[1, 3], [0, 1], [1, 5]]  # (rank that is signalled, step k)
+    script = tmp_path / "agreement.py"
+    script.write_text(_AGREEMENT_WORKER)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    store = str(tmp_path / "store")
+    workers = [
+        subprocess.Popen([sys.executable, str(script), str(rank), store, json.dumps(scenarios)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for rank in range(2)
+    ]  # fmt: skip
+    try:
+        outputs = [worker.communicate(timeout=120) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    for worker, (out, err) in zip(workers, outputs):
+        assert worker.returncode == 0, err
+        # Not at step k (the all-reduce holding the flag is still in flight), at step k + 1 on both.
+        assert json.loads(out) == [[False] * k + [True] for _, k in scenarios]
+
+
+# --- after the stop checkpoint ---------------------------------------------------------------
+
+
+def test_a_signalled_rank_leaves_at_once_with_the_stop_status(stop_signal):
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert wait_for_restart(stop_signal, timeout_s=3600) == EXIT_STOPPED
+
+
+def test_a_survivor_leaves_when_its_agent_signals_the_restart(stop_signal):
+    # The agent's SIGTERM comes while the survivor waits; without it the wait would last an hour.
+    sender = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM))
+    sender.start()
+    try:
+        assert wait_for_restart(stop_signal, timeout_s=3600) == EXIT_STOPPED
+    finally:
+        sender.cancel()
+    assert stop_signal.requested
+
+
+def test_a_survivor_that_is_never_restarted_leaves_with_an_error(stop_signal, caplog):
+    assert wait_for_restart(stop_signal, timeout_s=0.01) == EXIT_NOT_RESTARTED
+    assert "No restart within" in caplog.text
+
+
+# --- orphaned workers ------------------------------------------------------------------------
+
+_WORKER = """
+import threading
+from elastic_ddp.stop import exit_when_orphaned
+exit_when_orphaned(poll_s=0.05)
+print("watching", flush=True)
+threading.Event().wait(100)
+"""
+
+_AGENT = f"""
+import os, subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", {_WORKER!r}], stdout=subprocess.PIPE, text=True)
+assert worker.stdout.readline() == "watching\\n"
+print(worker.pid, flush=True)
+os._exit(0)  # the agent dies without a word to its worker
+"""
+
+# Adopts orphans (Linux's PR_SET_CHILD_SUBREAPER), so it can read the orphaned worker's exit status.
+_SUPERVISOR = f"""
+import ctypes, os, subprocess, sys
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+agent = subprocess.Popen([sys.executable, "-c", {_AGENT!r}], stdout=subprocess.PIPE, text=True)
+worker = int(agent.stdout.readline())
+agent.wait()
+_, status = os.waitpid(worker, 0)
+print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="adopting orphans needs Linux's subreaper")
+def test_a_worker_whose_agent_dies_exits_by_itself_with_the_orphan_status():
+    result = python(_SUPERVISOR)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(EXIT_ORPHANED), result.stderr
+    assert "is gone; exiting this orphaned worker" in result.stderr
