@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -115,6 +116,19 @@ def console_line(
     return " ".join(parts)
 
 
+# How an attempt ended, as the summary line and the progress record say it.
+ENDED_FINISHED = "finished"  # train.max_steps reached
+ENDED_EXIT_AT_STEP = "exited"  # train.exit_at_step reached
+ENDED_STOPPED = "stopped"  # this rank was asked to stop (preemption, Ctrl-C)
+ENDED_MEMBERSHIP = "paused"  # another node left or joined: this rank waits to be restarted
+_ENDED_TEXT = {
+    ENDED_FINISHED: "finished",
+    ENDED_EXIT_AT_STEP: "exited at train.exit_at_step (checkpoint committed)",
+    ENDED_STOPPED: "stopped on request (checkpoint committed)",
+    ENDED_MEMBERSHIP: "paused for a membership change (checkpoint committed; restarting)",
+}
+
+
 def summary_line(
     *,
     rank: int,
@@ -124,16 +138,18 @@ def summary_line(
     wall_s: float,
     attempt_wall_s: float,
     restarts: int,
+    ended: str = ENDED_FINISHED,
 ) -> str:
     """The one line printed at the end of an attempt, as a pure function.
 
     ``wall_s`` spans the whole job (from the first attempt's start), ``attempt_wall_s`` this
-    process only; ``restarts`` counts the attempts before this one.
+    process only; ``restarts`` counts the attempts before this one; ``ended`` says why it ended
+    (one of the ``ENDED_*`` values).
     """
     loss = "-" if final_loss is None else f"{final_loss:.4f}"
     steps = "-" if step is None else str(step)
     return (
-        f"[rank{rank}] done steps={steps}/{max_steps} final_loss={loss} "
+        f"[rank{rank}] {_ENDED_TEXT.get(ended, ended)}: steps={steps}/{max_steps} final_loss={loss} "
         f"wall={_format_duration(wall_s)} attempt_wall={_format_duration(attempt_wall_s)} "
         f"restarts={restarts}"
     )
@@ -145,18 +161,19 @@ class Metrics:
     Every method is safe to call in any order, any number of times, and returns quickly.
     """
 
-    def __init__(self, cfg: LoggingConfig, *, max_steps: int) -> None:
+    def __init__(self, cfg: LoggingConfig, *, max_steps: int, start_step: int = 1) -> None:
         self.cfg = cfg
         self.max_steps = max_steps
+        self.start_step = start_step
 
     def should_log(self, step: int) -> bool:
         """Whether the loop should gather scalars and call :meth:`log_step` at ``step``.
 
-        The same answer on every rank (a function of the step only): every
-        ``logging.every_steps`` steps and the last step. Logging the first step of an attempt is
-        the subclass's addition on rank 0; it keeps ``elastic/recovery_s`` exact.
+        The same answer on every rank (the loop all-reduces the loss there): every
+        ``logging.every_steps`` steps, the last step, and the first step of this attempt (which
+        keeps ``elastic/recovery_s`` exact).
         """
-        return step % self.cfg.every_steps == 0 or step >= self.max_steps
+        return step % self.cfg.every_steps == 0 or step >= self.max_steps or step == self.start_step
 
     def log_step(self, step: int, scalars: Mapping[str, float]) -> None:
         """Record ``scalars`` (tag -> value) at global optimizer step ``step``."""
@@ -167,12 +184,13 @@ class Metrics:
     def log_config(self, yaml_text: str) -> None:
         """Record the run's whole configuration (YAML, secrets already redacted) as text."""
 
-    def summary(self) -> str:
+    def summary(self, ended: str = ENDED_FINISHED) -> str:
         """Print and return the one-line summary of this attempt (empty on the no-op twin)."""
         return ""
 
-    def close(self) -> None:
-        """Flush and release everything. Idempotent."""
+    def close(self, ended: str | None = None) -> None:
+        """Flush and release everything; ``ended`` (an ``ENDED_*`` value) tells the next attempt how
+        this one ended (None: it did not end cleanly). Idempotent."""
 
     def __enter__(self) -> Metrics:
         return self
@@ -301,14 +319,14 @@ class TensorBoardMetrics(Metrics):
         # Imported here so ranks other than 0 never pay for importing TensorBoard.
         from torch.utils.tensorboard import SummaryWriter
 
-        super().__init__(cfg, max_steps=max_steps)
+        super().__init__(cfg, max_steps=max_steps, start_step=(resume_step or 0) + 1)
         self.rank = 0
         self.world_size = world_size
         self.restart_count = restart_count
         self._clock = clock
         self._start_time = clock()
-        self._start_step = (resume_step or 0) + 1
         self._last_step: int | None = None
+        self._last_time = 0.0
         self._last_loss: float | None = None
         self._rate_origin: tuple[int, float] | None = None
         self._pending_events: list[str] = []
@@ -321,9 +339,11 @@ class TensorBoardMetrics(Metrics):
         previous = self._previous or {}
         self._job_start_time = float(previous.get("start_time", self._start_time))
         self._attempts = int(previous.get("attempts", 0)) + 1
-        # Counted as a restart: any earlier attempt of this run that logged (a torchrun restart,
-        # or a resubmitted job whose restart count started again at 0).
+        # How this attempt relates to the last one that logged: recovering from a failure (no clean
+        # end recorded), resuming after a stop, or continuing a run that had ended (e.g. a longer
+        # train.max_steps) -- which is not a recovery at all.
         self._recovering = self._previous is not None and "time" in previous
+        self._previous_end = previous.get("ended")
         if self._previous is not None and previous.get("world_size") not in (None, world_size):
             self.event(f"World size changed from {previous['world_size']} to {world_size}")
 
@@ -336,16 +356,11 @@ class TensorBoardMetrics(Metrics):
         # first session START of a run, so a purge only works if every attempt wrote one.
         self._writer = SummaryWriter(
             log_dir=cfg.tensorboard_dir,
-            purge_step=self._start_step,
+            purge_step=self.start_step,
             max_queue=_MAX_QUEUE,
             flush_secs=cfg.flush_s,
         )
         atexit.register(self.close)
-
-    def should_log(self, step: int) -> bool:
-        # Rank 0 also logs the first step of an attempt, so recovery_s ends at that step. No
-        # collective depends on this answer: it only decides what rank 0 writes.
-        return super().should_log(step) or step == self._start_step
 
     def log_step(self, step: int, scalars: Mapping[str, float]) -> None:
         if self._closed:
@@ -356,12 +371,7 @@ class TensorBoardMetrics(Metrics):
         values["elastic/restart_count"] = float(self.restart_count)
         if self._recovering:
             self._recovering = False
-            recovery_s = max(now - float(self._previous["time"]), 0.0)
-            values["elastic/recovery_s"] = recovery_s
-            self.event(
-                f"Failure recovered after {recovery_s:.1f} s (last step logged before: "
-                f"{self._previous.get('step')}, first step logged now: {step})"
-            )
+            self._event_for_previous_attempt(step, now, values)
         try:
             for tag, value in values.items():
                 self._writer.add_scalar(tag, value, global_step=step, walltime=now)
@@ -375,12 +385,13 @@ class TensorBoardMetrics(Metrics):
                             self.cfg.tensorboard_dir, exc)
 
         self._last_step = step
+        self._last_time = now
         if "train/loss" in values:
             self._last_loss = values["train/loss"]
         if self._rate_origin is None:
             self._rate_origin = (step, now)
         self._progress.put(self._record(step, now))
-        if self.cfg.console and (super().should_log(step) or self._rate_origin[0] == step):
+        if self.cfg.console and (self.should_log(step) or self._rate_origin[0] == step):
             line = console_line(
                 rank=self.rank,
                 step=step,
@@ -394,6 +405,22 @@ class TensorBoardMetrics(Metrics):
             # application configured for logging (the root logger drops INFO by default);
             # flush because torchrun pipes worker stdout, which is block-buffered otherwise.
             print(line, flush=True)
+
+    def _event_for_previous_attempt(self, step: int, now: float, values: dict[str, float]) -> None:
+        previous = self._previous or {}
+        gap_s = max(now - float(previous["time"]), 0.0)
+        before = previous.get("step")
+        if self._previous_end in (ENDED_FINISHED, ENDED_EXIT_AT_STEP):
+            self.event(f"Continuing the run, which ended at step {before}; first step now: {step}")
+            return
+        values["elastic/recovery_s"] = gap_s
+        if self._previous_end in (ENDED_STOPPED, ENDED_MEMBERSHIP):
+            self.event(f"Resumed {gap_s:.1f} s after the stop at step {before}; first step now: {step}")
+        else:
+            self.event(
+                f"Failure recovered after {gap_s:.1f} s (last step logged before: {before}, first step "
+                f"logged now: {step})"
+            )
 
     def event(self, text: str) -> None:
         # Shown at once on the console; written to TensorBoard with the next logged step, so
@@ -410,9 +437,9 @@ class TensorBoardMetrics(Metrics):
         if self._closed:
             return
         # The text plugin renders Markdown; a fenced block keeps YAML's indentation.
-        self._writer.add_text(TAG_CONFIG, f"```yaml\n{yaml_text}\n```", global_step=self._start_step)
+        self._writer.add_text(TAG_CONFIG, f"```yaml\n{yaml_text}\n```", global_step=self.start_step)
 
-    def summary(self) -> str:
+    def summary(self, ended: str = ENDED_FINISHED) -> str:
         if self._closed and self._last_step is None:
             return ""
         now = self._clock()
@@ -426,19 +453,20 @@ class TensorBoardMetrics(Metrics):
             # Attempts that failed before creating their metrics left no trace in the progress
             # record, but torchrun counted them; a resubmitted job restarts torchrun's count at 0.
             restarts=max(self._attempts - 1, self.restart_count),
+            ended=ended,
         )
         if self.cfg.console:
             print(line, flush=True)
         return line
 
-    def close(self) -> None:
+    def close(self, ended: str | None = None) -> None:
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
         try:
             if self._pending_events:
-                self._write_pending_events(self._last_step or self._start_step, self._clock())
+                self._write_pending_events(self._last_step or self.start_step, self._clock())
             self._writer.close()
         except OSError as exc:
             log.warning("Closing the TensorBoard writer of %s failed: %s", self.cfg.tensorboard_dir, exc)
@@ -447,8 +475,12 @@ class TensorBoardMetrics(Metrics):
             # attempt is measured from there) but count this attempt.
             previous = dict(self._previous or {})
             previous.update(attempts=self._attempts, start_time=self._job_start_time)
+            if ended is not None:
+                previous["ended"] = ended
             if "time" in previous:
                 self._progress.put(previous)
+        elif ended is not None:
+            self._progress.put({**self._record(self._last_step, self._last_time), "ended": ended})
         self._progress.close()
 
     def _record(self, step: int, now: float) -> dict[str, Any]:
@@ -508,7 +540,7 @@ def create_metrics(
     if resume_step is not None and resume_step < 0:
         raise ValueError(f"The resume step ({resume_step}) must not be negative.")
     if rank != 0:
-        return Metrics(cfg, max_steps=max_steps)
+        return Metrics(cfg, max_steps=max_steps, start_step=(resume_step or 0) + 1)
     if tensorboard_dir != cfg.tensorboard_dir:
         cfg = cfg.model_copy(update={"tensorboard_dir": tensorboard_dir})
     return TensorBoardMetrics(
@@ -538,14 +570,55 @@ def tensorboard_command(args: argparse.Namespace) -> list[str]:
     ]
 
 
+# Signals that stop `elastic-ddp tensorboard`; each is passed on to the TensorBoard child.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long TensorBoard may take to exit after a passed-on signal before it is killed.
+_TENSORBOARD_STOP_S = 10.0
+
+
 def _run_tensorboard(args: argparse.Namespace) -> int:
+    """Serve ``args.runs`` with a TensorBoard child until it exits or this process is signalled.
+
+    SIGINT, SIGTERM and SIGHUP are passed on to TensorBoard, which is killed if it has not exited
+    :data:`_TENSORBOARD_STOP_S` seconds later, so stopping this command never leaves a server
+    running on its own. Returns TensorBoard's exit status, or 128 + the signal number when stopped
+    by a signal (the shell's convention).
+    """
     command = tensorboard_command(args)
-    print(f"Serving {args.runs} at http://{args.host}:{args.port}/ (Ctrl-C stops)", flush=True)
+    received: list[int] = []
+    child: subprocess.Popen | None = None
+    killer: threading.Timer | None = None
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal killer
+        received.append(signum)
+        if child is None:
+            return  # not started yet: passed on right after the start
+        child.send_signal(signum)
+        if killer is None:
+            killer = threading.Timer(_TENSORBOARD_STOP_S, child.kill)
+            killer.daemon = True
+            killer.start()
+
+    # Handlers first, so no signal can arrive between the child's start and them.
+    previous = {signum: signal.signal(signum, stop) for signum in _STOP_SIGNALS}
     try:
-        return subprocess.call(command)
-    except KeyboardInterrupt:
-        # Ctrl-C reached TensorBoard too (same process group); it stops on its own.
-        return 130
+        print(f"Serving {args.runs} at http://{args.host}:{args.port}/ (Ctrl-C stops)", flush=True)
+        # A session of its own: a terminal's Ctrl-C reaches only this process, so TensorBoard gets
+        # each signal exactly once, from here.
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
+        if received:
+            stop(received.pop(), None)
+        code = child.wait()
+    finally:
+        if child is not None and child.poll() is None:  # this process is failing: take TensorBoard along
+            child.kill()
+            child.wait()
+        if killer is not None:
+            killer.cancel()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 + received[0] if received else code
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

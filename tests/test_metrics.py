@@ -25,6 +25,10 @@ from tensorboard.util import tensor_util
 
 from elastic_ddp.config import Config, ConfigError, LoggingConfig
 from elastic_ddp.metrics import (
+    ENDED_EXIT_AT_STEP,
+    ENDED_FINISHED,
+    ENDED_MEMBERSHIP,
+    ENDED_STOPPED,
     PROGRESS_FILE,
     Metrics,
     TensorBoardMetrics,
@@ -173,12 +177,19 @@ def test_noop_twin_on_other_ranks_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_should_log_is_the_same_on_every_rank_except_rank0_adds_the_first_step(tmp_path):
-    noop = Metrics(make_cfg(tmp_path), max_steps=35)
-    assert [step for step in range(1, 36) if noop.should_log(step)] == [10, 20, 30, 35]
-    with start_attempt(tmp_path, resume_step=20) as metrics:
-        assert isinstance(metrics, TensorBoardMetrics)
-        assert [step for step in range(21, 41) if metrics.should_log(step)] == [21, 30, 40]
+def test_should_log_is_the_same_on_every_rank_and_includes_the_attempts_first_step(tmp_path):
+    fresh = Metrics(make_cfg(tmp_path), max_steps=35)
+    assert [step for step in range(1, 36) if fresh.should_log(step)] == [1, 10, 20, 30, 35]
+    other_rank = create_metrics(
+        make_cfg(tmp_path), rank=1, run_dir=str(tmp_path / "run"), resume_step=20, world_size=2,
+        restart_count=1, max_steps=40,
+    )  # fmt: skip
+    assert type(other_rank) is Metrics
+    with start_attempt(tmp_path, resume_step=20) as rank0:
+        assert isinstance(rank0, TensorBoardMetrics)
+        # The loop all-reduces the loss at these steps: every rank must give the same answer.
+        for metrics in (rank0, other_rank):
+            assert [step for step in range(21, 41) if metrics.should_log(step)] == [21, 30, 40]
 
 
 def test_restart_logs_recovery_time_world_size_change_and_events(tmp_path):
@@ -212,6 +223,63 @@ def test_restart_logs_recovery_time_world_size_change_and_events(tmp_path):
     assert "World size changed from 4 to 2" in text
     assert "Resumed from ckpt/step-20 (step 20)" in text
     assert "Failure recovered after 42.5 s" in text
+
+
+@pytest.mark.parametrize(
+    "ended,event",
+    [
+        (ENDED_FINISHED, "Continuing the run, which ended at step 20; first step now: 21"),
+        (ENDED_EXIT_AT_STEP, "Continuing the run, which ended at step 20; first step now: 21"),
+        (ENDED_STOPPED, "Resumed 30.0 s after the stop at step 20; first step now: 21"),
+        (ENDED_MEMBERSHIP, "Resumed 30.0 s after the stop at step 20; first step now: 21"),
+        (None, "Failure recovered after 30.0 s (last step logged before: 20, first step logged now: 21)"),
+    ],
+    ids=["finished", "exit-at-step", "stopped", "membership", "failed"],
+)
+def test_the_next_attempt_says_how_the_previous_one_ended(tmp_path, ended, event):
+    clock = FakeClock(1000.0)
+    first = start_attempt(tmp_path, clock=clock)
+    for step in (10, 20):
+        clock.now += 5.0
+        first.log_step(step, {"train/loss": 1.0})
+    clock.now += 2.0  # the final checkpoint; the record keeps the time of the last step logged
+    first.close(ended)
+    record = json.loads((tmp_path / "run" / PROGRESS_FILE).read_text())
+    assert (record["step"], record["time"], record.get("ended")) == (20, 1010.0, ended)
+
+    clock.now = 1040.0
+    second = start_attempt(tmp_path, resume_step=20, restart_count=0, clock=clock)
+    second.log_step(21, {"train/loss": 0.9})
+    second.close(ENDED_FINISHED)
+
+    events = texts(tmp_path / "tb", "events")
+    assert events == [(21, f"* {event}")]
+    accumulator = read_back(tmp_path / "tb")
+    if ended in (ENDED_FINISHED, ENDED_EXIT_AT_STEP):
+        # A run that had ended was not recovering from anything: no recovery time.
+        assert "elastic/recovery_s" not in accumulator.Tags()["scalars"]
+    else:
+        assert [(e.step, e.value) for e in accumulator.Scalars("elastic/recovery_s")] == [(21, 30.0)]
+
+
+def test_an_attempt_that_ended_cleanly_is_followed_by_a_failure_recovery_after_a_crash(tmp_path):
+    # The "ended" mark belongs to the attempt that wrote it: a crash after a clean continuation is a failure.
+    clock = FakeClock(0.0)
+    first = start_attempt(tmp_path, clock=clock)
+    first.log_step(10, {"train/loss": 1.0})
+    first.close(ENDED_FINISHED)
+    crashed = start_attempt(tmp_path, resume_step=10, clock=clock)
+    clock.now = 5.0
+    crashed.log_step(11, {"train/loss": 1.0})
+    crashed.close()  # no "ended": the process died
+    assert "ended" not in json.loads((tmp_path / "run" / PROGRESS_FILE).read_text())
+    clock.now = 12.0
+    with start_attempt(tmp_path, resume_step=10, clock=clock) as third:
+        third.log_step(11, {"train/loss": 1.0})
+    events = texts(tmp_path / "tb", "events")
+    assert events[-1] == (
+        11, "* Failure recovered after 7.0 s (last step logged before: 11, first step logged now: 11)"
+    )
 
 
 def test_progress_record_lives_on_any_fsspec_store(tmp_path):
@@ -306,7 +374,7 @@ def test_console_prints_greppable_lines_at_every_n_steps_and_the_first(tmp_path,
         for step in range(21, 41):
             clock.now += 2.0
             metrics.log_step(step, {"train/loss": 1.5, "perf/samples_per_s": 64.0})
-        assert metrics.summary().startswith("[rank0] done steps=40/40 final_loss=1.5000")
+        assert metrics.summary().startswith("[rank0] finished: steps=40/40 final_loss=1.5000")
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[:3]] == ["step=21/40", "step=30/40", "step=40/40"]
     assert "loss=1.5000 samples_per_s=64.0 world_size=4" in lines[1]
@@ -338,10 +406,36 @@ def test_summary_line_reports_steps_loss_wall_time_and_restarts():
     line = summary_line(
         rank=0, step=300, max_steps=300, final_loss=1.23456,
         wall_s=3725.0, attempt_wall_s=65.0, restarts=2,
-    )
+    )  # fmt: skip
     assert line == (
-        "[rank0] done steps=300/300 final_loss=1.2346 wall=1:02:05 attempt_wall=0:01:05 restarts=2"
+        "[rank0] finished: steps=300/300 final_loss=1.2346 wall=1:02:05 attempt_wall=0:01:05 restarts=2"
     )
+    assert summary_line(
+        rank=3, step=None, max_steps=10, final_loss=None, wall_s=0.0, attempt_wall_s=0.0, restarts=0
+    ) == "[rank3] finished: steps=-/10 final_loss=- wall=0:00:00 attempt_wall=0:00:00 restarts=0"
+
+
+@pytest.mark.parametrize(
+    "ended,text",
+    [
+        (ENDED_FINISHED, "finished"),
+        (ENDED_EXIT_AT_STEP, "exited at train.exit_at_step (checkpoint committed)"),
+        (ENDED_STOPPED, "stopped on request (checkpoint committed)"),
+        (ENDED_MEMBERSHIP, "paused for a membership change (checkpoint committed; restarting)"),
+    ],
+)
+def test_summary_line_says_how_the_attempt_ended(ended, text):
+    line = summary_line(
+        rank=0, step=120, max_steps=300, final_loss=0.5, wall_s=60.0, attempt_wall_s=30.0, restarts=1, ended=ended
+    )
+    assert line == f"[rank0] {text}: steps=120/300 final_loss=0.5000 wall=0:01:00 attempt_wall=0:00:30 restarts=1"
+
+
+def test_summary_of_an_attempt_says_how_it_ended(tmp_path):
+    with start_attempt(tmp_path) as metrics:
+        metrics.log_step(10, {"train/loss": 2.0})
+        summary = metrics.summary(ENDED_STOPPED)
+        assert summary.startswith("[rank0] stopped on request (checkpoint committed): steps=10/40")
 
 
 def test_summary_counts_restarts_of_attempts_that_never_logged_and_of_earlier_jobs(tmp_path):
