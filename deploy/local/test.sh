@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The README's test command (`make test`): install the `test` extra (deploy/local/install.sh) into
+# the interpreter deploy/local/python.sh picks, run pytest with the given arguments (default: the
+# whole suite), and prove that the run ended with the torch it started with.
+#
+#   deploy/local/test.sh [PYTEST_ARGS ...]
+#
+# torch is printed at the start, after the install and at the end. The command fails when an
+# installed torch was replaced, when torch changed during the tests, or when pytest fails
+# (including pytest's "no tests collected", exit 5).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source deploy/local/python.sh
+
+started=$(torch_version)
+echo "torch at the start: $started ($python)"
+bash deploy/local/install.sh test
+installed=$(torch_version)
+echo "torch after the install: $installed"
+if [[ $started != none && $started != "$installed" ]]; then
+    echo "error: the install replaced torch $started with $installed." >&2
+    exit 1
+fi
+
+status=0
+put_scripts_on_path  # tests and the processes they start find etcdctl, moto_server, ... as when activated
+"$python" -m pytest "$@" || status=$?
+
+ended=$(torch_version)
+echo "torch at the end: $ended"
+if [[ $ended != "$installed" ]]; then
+    echo "error: torch changed from $installed to $ended while the tests ran." >&2
+    exit 1
+fi
+exit "$status"
