@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
+
+# The comparisons the rendezvous extrapolation draws on; it follows the last of them present.
+_RENDEZVOUS = ("contention", "rdzv_join", "rdzv_idle")
 
 
 def _num(value: float | None) -> str:
@@ -54,6 +58,8 @@ def render(machine: dict[str, Any], results: list[dict[str, Any]], smoke: bool =
     errors = [d["name"] for d in results if "error" in d]
     out += [f"**Summary:** {passed} targets met, {missed} missed"
             + (f"; failed to run: {', '.join(errors)}" if errors else "") + ".", ""]
+    present = [d["name"] for d in results if d["name"] in _RENDEZVOUS]
+    last_rendezvous = present[-1] if present else None
     for data in results:
         out += [f"## {data['title']} (`{data['name']}`)", ""]
         if "error" in data:
@@ -69,4 +75,88 @@ def render(machine: dict[str, Any], results: list[dict[str, Any]], smoke: bool =
             out.append("")
         if data.get("discussion"):
             out += [data["discussion"].strip(), ""]
+        if data["name"] == last_rendezvous:
+            out += rendezvous_extrapolation(results, machine.get("cores") or 2)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _median(data: dict[str, Any] | None, size: int, variant: str, metric: str) -> float | None:
+    """Median of one metric of one variant at one size of a comparison's raw samples."""
+    values = (data or {}).get("samples", {}).get(f"n{size}", {}).get(variant, {}).get(metric, [])
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def rendezvous_extrapolation(results: list[dict[str, Any]], cores: int) -> list[str]:
+    """The "Extrapolation to 1,000+ nodes" section, written from the rendezvous comparisons'
+    measurements (empty when the per-node join was not measured)."""
+    by_name = {d["name"]: d for d in results if "error" not in d}
+    join, idle, contention = by_name.get("rdzv_join"), by_name.get("rdzv_idle"), by_name.get("contention")
+    if join is None:
+        return []
+    times = {n: _median(join, n, "etcd", "join_s") for n in join["params"]["sizes"]}
+    sizes = [n for n, t in times.items() if t is not None]  # the sizes that formed a round
+    if not sizes:
+        return []
+    largest = max(sizes)
+    out = ["### Extrapolation to 1,000+ nodes", "",
+           "Measured on this machine with the per-node handler (simulated agents, one local etcd):", ""]  # fmt: skip
+    out.append("- **Joining at once:** " + ", ".join(
+        f"{n:,} agents {_fmt(t, 2)} s" if t is not None else f"{n:,} agents formed no round within the join timeout"
+        for n, t in times.items()) + ".")  # fmt: skip
+    if len(sizes) > 1 and times[sizes[-2]] and times[largest]:
+        growth = times[largest] / times[sizes[-2]]
+        out.append(f"  From {sizes[-2]:,} to {largest:,} agents ({largest / sizes[-2]:.1f}x) the join took "
+                   f"{growth:.1f}x as long.")  # fmt: skip
+    etcd_cpu, agents_cpu = _median(join, largest, "etcd", "etcd_cpu_s"), _median(join, largest, "etcd", "agents_cpu_s")
+    if etcd_cpu is not None and agents_cpu is not None and times[largest]:
+        bound = "the simulated agents (Python threads over a few processes), not etcd," if agents_cpu > etcd_cpu else "etcd"
+        out.append(f"  During the {largest:,}-agent join etcd used {etcd_cpu:.1f} s of CPU, the agents' processes "
+                   f"{agents_cpu:.1f} s on {cores} cores: {bound} bound the result. That is "
+                   f"{1000 * etcd_cpu / largest:.1f} ms of etcd CPU per joining node.")  # fmt: skip
+    entries, written = _median(join, largest, "etcd", "raft_entries_per_node"), _median(join, largest, "etcd", "db_bytes_per_node")
+    out.append(f"- **What a join costs etcd:** {_fmt(entries)} raft entries and {_fmt(written, 0)} bytes of database "
+               "per node -- O(N) entries of at most ~200 bytes in all, no retries that grow with N (a compare-and-set "
+               "loses only to a change of the round record itself, a handful per round).")  # fmt: skip
+    if idle is not None:
+        big = max(int(k[1:]) for k, v in idle["samples"].items() if "etcd" in v)
+        writes = _median(idle, big, "etcd", "writes_per_node_per_s")
+        growth = _median(idle, big, "etcd", "db_bytes_per_min")
+        cpu = _median(idle, big, "etcd", "etcd_cpu_share")
+        renewals = _median(idle, big, "etcd", "lease_renewals_per_s")
+        out.append(f"- **Idle in a completed round ({big} agents):** {_fmt(writes, 3)} writes per node per second and "
+                   f"{_fmt(growth, 0)} bytes of database growth per minute; the only traffic is {_fmt(renewals, 0)} "
+                   "lease renewals per second (one per node per second, no raft entry).")  # fmt: skip
+        if cpu is not None:
+            per_node = cpu / big
+            out.append(f"  etcd spent {cpu:.3f} cores on them: {1000 * per_node:.2f} ms of CPU per node per second, "
+                       f"so ~{per_node * 1000:.2f} cores at 1,000 nodes and ~{per_node * 10000:.1f} at 10,000 -- linear, "
+                       "in the leader's memory.")  # fmt: skip
+    out.append("- **Watch events:** one change of the round record per round reaches every node (O(N) events per "
+               "round), one deletion per member when a node leaves; registrations reach nobody (deletions-only "
+               "watches).")  # fmt: skip
+    if contention is not None:
+        large = max(int(k[1:]) for k in contention["samples"])
+        per = contention["samples"][f"n{large}"].get("state_bytes_per_participant", [])
+        cas = contention["samples"][f"n{large}"].get("cas_per_s", [])
+        blob_bytes = statistics.median(per) if per else None
+        cas_rate = statistics.median(cas) if cas else None
+        if blob_bytes and cas_rate:
+            out += ["", "The one-key design this replaced, for comparison (`contention`, and `etcd-blob` above):", "",
+                    f"- a blob of ~{blob_bytes:.0f} bytes per node ({blob_bytes * 1000 / 1024:.0f} KiB at 1,000 nodes) "
+                    f"rewritten by every node at every heartbeat; a simultaneous join needs ~N²/2 compare-and-sets: at "
+                    f"the measured {cas_rate:.0f} per second, ~{1000 * 1000 / 2 / cas_rate:.0f} s for 1,000 nodes "
+                    "(against a 600 s join timeout)."]  # fmt: skip
+    blob_idle = max((int(k[1:]) for k, v in (idle or {}).get("samples", {}).items() if "etcd-blob" in v), default=None)
+    if blob_idle:
+        entries_s = _median(idle, blob_idle, "etcd-blob", "raft_entries_per_s")
+        growth = _median(idle, blob_idle, "etcd-blob", "db_bytes_per_min")
+        if entries_s is not None and growth is not None:
+            out.append(f"- idle, {blob_idle} nodes of it cost {entries_s:.0f} raft entries per second and "
+                       f"{growth / 1e6:.1f} MB of database growth per minute ({growth * 60 / 1e9:.2f} GB per hour: "
+                       "etcd's 2 GiB quota is full within hours and then refuses every write).")  # fmt: skip
+    return out + ["", "The etcd sizing in deploy/README.md follows from these figures.", ""]

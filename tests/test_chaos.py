@@ -243,6 +243,63 @@ def test_rendezvous_continues_through_a_3_member_etcd_cluster_with_one_member_ki
         cluster.stop()
 
 
+def _leader(cluster) -> int:
+    """Index of the member that leads ``cluster`` now (asked through etcd's HTTP gateway)."""
+    import urllib.request
+
+    for index, member in enumerate(cluster.members):
+        if not member.running:
+            continue
+        request = urllib.request.Request(f"{member.client_url}/v3/maintenance/status", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=5) as response:
+            status = json.loads(response.read())
+        if status["leader"] == status["header"]["member_id"]:
+            return index
+    raise AssertionError("no etcd member says it is the leader")
+
+
+def test_an_etcd_leader_election_during_training_drops_no_node_and_restarts_no_worker(job, tmp_path):
+    from elastic_ddp.etcd_server import EtcdCluster
+    from elastic_ddp.rendezvous.plugin import DEFAULT_KEEP_ALIVE_INTERVAL, DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+
+    ttl = DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+    cluster = EtcdCluster(tmp_path / "cluster", n=3).start()
+    try:
+        j = job(endpoint=cluster.endpoints, flags=[ENDLESS, "--checkpoint.every_steps=1000"])
+        j.add_node(), j.add_node()
+        j.wait_for_step(5, world_size=2)
+        leader = _leader(cluster)
+        mark, before = j.mark(), j.last_step()
+        t0 = time.monotonic()
+        cluster.members[leader].kill()  # no renewal is answered until the others elect a new leader
+        new_leader = _leader_after(cluster, t0)
+        elected_s = time.monotonic() - t0
+        time.sleep(3 * ttl)  # three lease TTLs: a node whose lease lapsed would be gone by now
+        during = j.last_step()
+        after = j.output_since(mark)
+        assert during > before + 5, "training stalled during the election"
+        assert "left round" not in after and "waiting to join" not in after, after[-4000:]
+        assert "torchrun restart 1 of" not in j.output()
+        assert resumed_steps(j.output()) == [], "the workers were restarted because of the election"
+        report("etcd leader killed (3-member cluster)", "a new leader is elected; no node is dropped, no worker restarts",
+               0.0, 0, leader_elected_s=round(elected_s, 1), new_leader=f"etcd{new_leader}", lease_ttl_s=ttl,
+               steps_during=during - before, checkpoints_verified=j.stop_and_verify_checkpoints(require_any=False))
+    finally:
+        cluster.stop()
+
+
+def _leader_after(cluster, since: float) -> int:
+    from tests.helpers.nodes import wait_for
+
+    def elected():
+        try:
+            return _leader(cluster) + 1  # truthy for index 0
+        except (AssertionError, OSError, ValueError):
+            return 0
+
+    return wait_for(elected, 30, what="a new etcd leader") - 1
+
+
 def test_storage_outage_during_an_async_save_fails_that_save_and_a_later_one_succeeds(job, s3_server, s3_url):
     j = job(nnodes="1", flags=[ENDLESS, "--checkpoint.every_steps=20", "--checkpoint.keep_last=1000", f"--checkpoint.url={s3_url}"])
     node = j.add_node()

@@ -128,11 +128,39 @@ def test_recovery_defaults_are_injected_but_user_values_win():
     assert merged.get_as_int("heartbeat_timeout") == plugin.DEFAULT_HEARTBEAT_TIMEOUT
 
 
-def test_handler_is_created_with_the_recovery_defaults(etcd_endpoint):
+def test_handler_is_created_with_the_recovery_defaults(etcd_endpoint, monkeypatch):
+    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
     handler = plugin.create_rdzv_handler(params(etcd_endpoint))
-    assert handler.get_backend() == "etcd-v3"
-    assert handler.settings.keep_alive_interval.total_seconds() == plugin.DEFAULT_KEEP_ALIVE_INTERVAL
-    assert handler.settings.timeout.last_call.total_seconds() == plugin.DEFAULT_LAST_CALL_TIMEOUT
+    try:
+        settings = handler.settings
+        assert handler.get_backend() == "etcd-v3"
+        assert settings.keep_alive_interval == plugin.DEFAULT_KEEP_ALIVE_INTERVAL
+        assert settings.lease_ttl == plugin.DEFAULT_KEEP_ALIVE_INTERVAL * plugin.DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+        assert settings.last_call_timeout == plugin.DEFAULT_LAST_CALL_TIMEOUT
+        assert settings.join_timeout == 600 and settings.run_ttl == plugin.DEFAULT_RUN_TTL
+        assert settings.keep_alive_deadline == settings.lease_ttl / 2  # capped: half the lease TTL
+    finally:
+        handler.leave()
+
+
+def test_keep_alive_options_set_the_lease_ttl_as_torchs_heartbeat_options_did():
+    settings = plugin.handler_settings(
+        plugin._with_recovery_defaults(params(keep_alive_interval="2", keep_alive_max_attempt="4", heartbeat="3"))
+    )
+    assert (settings.keep_alive_interval, settings.lease_ttl, settings.keep_alive_deadline) == (2, 8, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"keep_alive_interval": "0"}, r"'keep_alive_interval' \('0'\) must be a positive whole number"),
+        ({"last_call_timeout": "soon"}, r"'last_call_timeout' \('soon'\)"),
+        ({"keep_alive_interval": "2", "keep_alive_max_attempt": "1"}, r"lease TTL \(2 s"),
+    ],
+)
+def test_bad_handler_options_raise_value_error_naming_them(conf, message):
+    with pytest.raises(ValueError, match=message):
+        plugin.handler_settings(plugin._with_recovery_defaults(params(**conf)))
 
 
 # -- registry and imports (fresh interpreters, so torch's registration runs as in torchrun) ------
@@ -172,6 +200,24 @@ def test_etcd_backend_name_is_served_by_this_plugin():
 def test_torch_etcd_env_var_gives_torchs_own_handler_back():
     out = _python(_SHOW_REGISTRY, **{plugin.TORCH_ETCD_ENV: "1"})
     assert out.startswith("torch.distributed.elastic.rendezvous.registry._create_etcd_handler ")
+
+
+_SHOW_SHARED_STORE_ENV = (
+    "import os\n"
+    "import torch.distributed.elastic.rendezvous.registry\n"
+    f"print(os.environ.get({plugin.DISABLE_SHARED_STORE_ENV!r}, 'unset'))\n"
+)
+
+
+@pytest.mark.parametrize("torch_etcd", ["0", "1"])
+def test_loading_torchs_registry_gives_each_round_its_own_worker_store(torch_etcd, monkeypatch):
+    # torchrun imports the registry whatever --rdzv-backend names (--standalone and c10d too).
+    monkeypatch.delenv(plugin.DISABLE_SHARED_STORE_ENV, raising=False)
+    assert _python(_SHOW_SHARED_STORE_ENV, **{plugin.TORCH_ETCD_ENV: torch_etcd}) == "1"
+
+
+def test_a_users_shared_store_setting_wins_over_the_plugins():
+    assert _python(_SHOW_SHARED_STORE_ENV, **{plugin.DISABLE_SHARED_STORE_ENV: "0"}) == "0"
 
 
 def test_importing_the_package_and_plugin_does_not_import_grpc_or_etcd3():
@@ -214,9 +260,10 @@ def test_two_torchrun_agents_rendezvous_and_all_reduce(backend, etcd_endpoint, e
         assert len(lines) == 2, "\n\n".join(outputs)
         assert all("world_size=2 sum=2" in l for l in lines)
         assert {"rank=0", "rank=1"} == {l.split()[1] for l in lines}
-        # The state went through the v3 API (the server has v2 off, so torch's v2 code could not
-        # have run).
-        assert etcd_client.get(f"{plugin.DEFAULT_KEY_PREFIX}/{run_id}/state") is not None
+        # The rendezvous went through the v3 API (the server has v2 off, so torch's v2 code could
+        # not have run), and the job closed it when it finished.
+        record = etcd_client.get(f"{plugin.DEFAULT_KEY_PREFIX}/{run_id}/round")
+        assert record is not None and b'"closed":true' in record.value
     finally:
         for node in nodes:
             node.cleanup()
@@ -241,8 +288,9 @@ def test_a_waiting_node_wakes_when_the_last_one_joins_not_at_its_next_poll(etcd_
 
     from elastic_ddp.rendezvous import handler as handler_module
 
-    # Were the waiting node still polling, it would now look again only after two minutes.
-    monkeypatch.setattr(handler_module, "POLL_S", 120.0)
+    # Were the waiting node polling, it would now look again only after two minutes.
+    monkeypatch.setattr(handler_module, "_MAX_WAIT_S", 120.0)
+    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
     run_id = f"watch-{uuid.uuid4().hex[:8]}"
 
     def make():
@@ -255,7 +303,7 @@ def test_a_waiting_node_wakes_when_the_last_one_joins_not_at_its_next_poll(etcd_
     waiting = threading.Thread(target=lambda: results.setdefault("first", first.next_rendezvous()), daemon=True)
     try:
         waiting.start()
-        wait_for(lambda: first._state_holder.state.participants, 30, what="the first node to join and wait")
+        wait_for(lambda: first._registered is not None, 30, what="the first node to register and wait")
         info = second.next_rendezvous()
         waiting.join(timeout=30)
         assert not waiting.is_alive(), "the waiting node did not notice the round completing"

@@ -155,6 +155,38 @@ def test_a_user_outside_its_role_prefix_is_refused_at_once_as_an_auth_error(secu
         store.close()
 
 
+def test_the_handler_forms_a_round_over_mutual_tls_as_a_prefix_limited_user(secure_etcd, pki, monkeypatch):
+    monkeypatch.setenv(plugin.PASSWORD_ENV, JOB_PASSWORD)
+    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
+    run_id = uuid.uuid4().hex
+    handler = plugin.create_rdzv_handler(_params(secure_etcd.endpoint, run_id, **_conf(pki)))
+    try:
+        info = handler.next_rendezvous()  # leases, transactions, watches and the store, all as the job user
+        assert (info.rank, info.world_size) == (0, 1)
+        assert handler.num_nodes_waiting() == 0
+    finally:
+        assert handler.shutdown() is True
+    client = EtcdClient(secure_etcd.endpoint, timeout=5, user=JOB_USER, password=JOB_PASSWORD,
+                        ca_cert=pki.ca, cert=pki.client_cert, key=pki.client_key)  # fmt: skip
+    try:
+        assert b'"closed":true' in client.get(f"{JOB_PREFIX}/{run_id}/round").value
+    finally:
+        client.close()
+
+
+def test_the_handler_outside_its_role_prefix_is_refused_as_a_connection_error(secure_etcd, pki, monkeypatch):
+    monkeypatch.setenv(plugin.PASSWORD_ENV, JOB_PASSWORD)
+    handler = plugin.create_rdzv_handler(_params(secure_etcd.endpoint, "run", **_conf(pki, prefix="/jobs/other")))
+    try:
+        start = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match="permission denied") as info:
+            handler.next_rendezvous()
+        assert time.monotonic() - start < FAIL_FAST_S
+        assert isinstance(info.value.__cause__, EtcdAuthError)
+    finally:
+        handler.leave()
+
+
 @pytest.mark.parametrize(
     ("case", "message", "cause"),
     [

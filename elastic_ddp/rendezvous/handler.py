@@ -1,266 +1,667 @@
-"""torch's DynamicRendezvousHandler, taught three things an elastic job on real clusters needs.
+"""torchrun's rendezvous handler on etcd v3, with per-node state that scales to 1,000 nodes.
 
-1. **A node that left is a membership change.** Stock torch restarts a healthy worker group only
-   when ``num_nodes_waiting() > 0``, i.e. when a node *joins*. When a node is preempted, the
-   survivors' workers commit a checkpoint with the leaving node and then wait (see
-   ``elastic_ddp.loop``); :meth:`ElasticRendezvousHandler.num_nodes_waiting` also reports a
-   change when a participant of this node's round is gone, so the survivors' agents restart
-   their workers at the smaller world size -- without spending one of ``--max-restarts``.
-2. **A preempted node leaves at once.** torchrun does not shut the handler down after a signal
-   (that would close the rendezvous for everyone), so the leaving node would stay listed until
-   its heartbeat expires. An ``atexit`` hook removes it from the round's participants instead;
-   a rendezvous already closed (the job finished) is left alone.
-3. **An etcd outage is not a failure of the job.** The agent polls ``num_nodes_waiting()``
-   every monitor interval; stock torch lets a backend error there kill the agent. Here it is
-   logged (once per outage) and reported as "no change", so training, which does not use etcd,
-   goes on. When etcd comes back, every node's heartbeat is as old as the outage: for one
-   keep-alive window after the backend answers again, :class:`OutageTolerantStateHolder` does
-   not expire anyone, giving live nodes the chance to heartbeat instead of all being dropped.
+The protocol (:mod:`elastic_ddp.rendezvous.rounds`, keys in :mod:`elastic_ddp.rendezvous.view`):
+each node owns a lease and, while it takes part in a round, one registration key under it;
+liveness is the lease (no clocks of different hosts are compared), death is the lease ending,
+which every member of the node's round sees through a watch. A round is decided by small
+compare-and-set transactions on one round record; ranks are read with O(1)-sized range reads.
 
-4. **A waiting node wakes when the state changes.** torch's op executor sleeps a fixed second
-   between polls of the state while it waits for others to join or for a round to complete;
-   :class:`WatchingOpExecutor` waits on an etcd watch of the state key instead (at most that same
-   second, and never past the last-call deadline), so a group forms as soon as its last member
-   writes, without more reads of etcd than one per change.
+What it costs etcd (N nodes; "write" = one raft entry):
 
-Also exported to the workers (through the agent's environment, which torchrun copies into every
-worker): ``ELASTIC_DDP_RDZV_ROUND``, the rendezvous round the worker group was formed in, so
-checkpoint commits can be fenced against stale writers of an older round.
+* Forming a round: per node one transaction to register (the first node's also opens the round)
+  and O(1)-sized reads; one transaction starts the last call and one completes the round.
+  ~N + 2 writes, none of them larger than ~200 bytes; each node receives O(1) watch events.
+* Steady state (a completed round, training): nothing but lease renewals, one small request per
+  node per ``keep_alive_interval``, handled by the etcd leader in memory -- no raft entry, no
+  revision, no database growth. ``num_nodes_waiting()`` is answered from watched state.
+* A node leaving: its lease ends (revoked at exit, or expired ``keep_alive_interval *
+  keep_alive_max_attempt`` seconds after it stopped renewing): one deletion, one event per member.
+* Live data: ~100 bytes per node plus the round record and torch's per-round store keys (the
+  completing node deletes the store keys of rounds before the previous one).
 
-This module subclasses private parts of ``torch.distributed.elastic.rendezvous.
-dynamic_rendezvous`` (the state holder, the exit operation); it is the one place that does.
+What the handler adds to torch's ``DynamicRendezvousHandler`` behaviour, which it otherwise
+follows (``min:max`` nodes, last call, join and close timeouts, spare nodes when a round is
+full, closing at shutdown):
+
+1. **A node that left is a membership change.** torch restarts a healthy worker group only when
+   a node waits to join; here a member whose lease ended also counts, so when a preempted node
+   leaves, the survivors' agents restart their workers at the smaller size without spending one
+   of ``--max-restarts``.
+2. **A node that exits leaves at once**: an ``atexit`` hook revokes its lease (torchrun does not
+   shut the handler down after a signal, since that would close the rendezvous for everyone).
+3. **An etcd outage is not a job failure.** ``num_nodes_waiting()`` never calls etcd, so it
+   cannot fail; watches and lease renewals retry in the background, and etcd itself restores
+   every lease's full TTL when a leader takes over (after a restart or an election), so live
+   nodes are not dropped for the outage.
+4. **Each round hosts a fresh worker store** on its rank-0 worker (see the plugin), and the
+   round is exported to the workers as ``ELASTIC_DDP_RDZV_ROUND``. Round numbers only grow: the
+   first round of a run is numbered after the etcd revision it was created at, so even a run whose
+   keys expired and were created again never reuses a number (checkpoint commits are fenced by
+   it).
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
+import random
+import socket
+import threading
 import time
 import weakref
-from datetime import datetime, timedelta, timezone
+from dataclasses import dataclass, replace
 
-from torch.distributed import Store
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
-    RendezvousError,
+    RendezvousConnectionError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
+    RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousBackend,
-    RendezvousSettings,
-    RendezvousTimeout,
-    _Action,
-    _BackendRendezvousStateHolder,
-    _DistributedRendezvousOpExecutor,
-    _RendezvousContext,
-    _RendezvousExitOp,
-)
 
-__all__ = [
-    "ENV_RDZV_ROUND", "ElasticRendezvousHandler", "OutageTolerantStateHolder", "WatchingOpExecutor",
-    "create_elastic_handler",
-]  # fmt: skip
+from elastic_ddp.rendezvous.client import (
+    Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdError, EtcdLeaseNotFoundError, KeyValue, LeaseKeepAlive,
+    Put, Range, TxnResult, WatchStream,
+)  # fmt: skip
+from elastic_ddp.rendezvous.rounds import COMPLETE, LAST_CALL, OPEN, RoundRecord, Seen, Step, decide, node_key
+from elastic_ddp.rendezvous.store import EtcdV3Store
+from elastic_ddp.rendezvous.view import RoundView, RunKeys, Snapshot, run_lease_id
+
+__all__ = ["ENV_RDZV_ROUND", "EtcdRendezvousHandler", "HandlerSettings"]
 
 log = logging.getLogger(__name__)
 
 ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"  # also named in elastic_ddp.distributed
-POLL_S = 1.0  # torch's fixed delay between polls: the longest a waiting node now waits
-MIN_POLL_S = 0.05  # a floor between reads, so a burst of heartbeats cannot make a node spin
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's; "1": no shared agent store
+_LOCAL_IDS = itertools.count()
+_LOCAL_IDS_LOCK = threading.Lock()
+# A waiting node re-reads the round record at least this often, in case its watch is stuck on a
+# member that stopped answering without closing the connection.
+_MAX_WAIT_S = 10.0
+# How often a node waiting for the previous round's nodes counts them again (they move over with
+# a write the waiting node sees anyway; this catches those that died instead).
+_PREVIOUS_RECHECK_S = 1.0
+# Nodes that find no round record wait up to this long (at random) before creating it, as torch
+# does before its first round: of 1,000 nodes starting together, most then see the record the
+# first one created (through their watch) instead of each sending a transaction that fails.
+_CREATE_JITTER_S = 0.3
 
 
-class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
-    """A state holder that does not declare everyone dead right after the backend was unreachable."""
+@dataclass(frozen=True)
+class HandlerSettings:
+    """Everything the handler needs besides its etcd client and store (see the plugin for the
+    rdzv_conf keys and defaults).
 
-    def __init__(self, backend: RendezvousBackend, settings: RendezvousSettings) -> None:
-        super().__init__(backend, settings)
-        self._last_failure: float | None = None
-        window = settings.keep_alive_interval * (settings.keep_alive_max_attempt + 1)
-        self._grace_s = window.total_seconds()
-
-    def sync(self) -> bool | None:
-        try:
-            return super().sync()
-        except RendezvousError:
-            self._last_failure = time.monotonic()
-            raise
-
-    def _sanitize(self) -> None:
-        if self._last_failure is not None and time.monotonic() - self._last_failure < self._grace_s:
-            return  # heartbeats could not be written during the outage; let them catch up first
-        super()._sanitize()
-
-    @property
-    def in_outage_grace(self) -> bool:
-        return self._last_failure is not None and time.monotonic() - self._last_failure < self._grace_s
-
-    def wait_for_change(self, timeout: float) -> None:
-        """Return when the backend's state has changed since the last sync, or after ``timeout`` s;
-        the next :meth:`sync` then reads the backend instead of serving its one-second cache."""
-        wait = getattr(self._backend, "wait_for_state_change", None)
-        if wait is None:  # a backend without watches: torch's fixed poll
-            time.sleep(timeout)
-            return
-        if wait(self._token, timeout):
-            self._last_sync_time = -1
-
-
-class WatchingOpExecutor(_DistributedRendezvousOpExecutor):
-    """torch's rendezvous op executor, waiting on state changes instead of sleeping between polls.
-
-    The loop is torch's: sync, ask the operation's state handler for the next action, apply it
-    locally and mark the state dirty for the next sync. Only ``SYNC`` (wait for others) differs.
+    ``lease_ttl``: seconds a node stays registered after its last renewal (the time to notice a
+    dead node); ``keep_alive_interval``: seconds between renewals; ``keep_alive_deadline``: the
+    longest one renewal may take before the next member is tried; ``run_ttl``: seconds the round
+    record outlives the last node of the run.
     """
 
-    _APPLY = {
-        _Action.KEEP_ALIVE: "_keep_alive",
-        _Action.ADD_TO_PARTICIPANTS: "_add_to_participants",
-        _Action.ADD_TO_WAIT_LIST: "_add_to_wait_list",
-        _Action.ADD_TO_REDUNDANCY_LIST: "_add_to_redundancy_list",
-        _Action.REMOVE_FROM_PARTICIPANTS: "_remove_from_participants",
-        _Action.REMOVE_FROM_WAIT_LIST: "_remove_from_wait_list",
-        _Action.REMOVE_FROM_REDUNDANCY_LIST: "_remove_from_redundancy_list",
-        _Action.MARK_RENDEZVOUS_COMPLETE: "_mark_rendezvous_complete",
-        _Action.MARK_RENDEZVOUS_CLOSED: "_mark_rendezvous_closed",
-    }
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    key_prefix: str
+    join_timeout: float = 600.0
+    last_call_timeout: float = 2.0
+    close_timeout: float = 10.0
+    keep_alive_interval: float = 1.0
+    lease_ttl: int = 5
+    keep_alive_deadline: float = 2.5
+    run_ttl: int = 7200
 
-    def run(self, state_handler, deadline: float, update_deadline=None) -> None:
-        action = None
-        while action != _Action.FINISH:
-            self._state_holder.sync()
-            self._state = self._state_holder.state
-            action = state_handler(_RendezvousContext(self._node, self._state, self._settings), deadline)
-            if action == _Action.FINISH:
-                continue
-            if action == _Action.ERROR_CLOSED:
-                raise RendezvousClosedError
-            if action == _Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError
-            if action == _Action.SYNC:
-                self._wait(deadline)
-                continue
-            getattr(self, self._APPLY[action])()
-            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
-                # As in torch: the node may now take part in the round, so it gets a fresh join deadline.
-                deadline = update_deadline(self._settings.timeout.join)
-            self._state_holder.mark_dirty()
-
-    def _wait(self, deadline: float) -> None:
-        started = time.monotonic()
-        timeout = min(POLL_S, max(deadline - started, 0.0))
-        last_call = self._state.deadline  # set once min_nodes joined: the round closes then
-        if last_call is not None:
-            timeout = min(timeout, max((last_call - datetime.now(timezone.utc)).total_seconds(), 0.0))
-        self._state_holder.wait_for_change(timeout)  # create_elastic_handler gives every handler this holder
-        rest = MIN_POLL_S - (time.monotonic() - started)
-        if rest > 0:
-            time.sleep(rest)
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        if self.min_nodes < 1:
+            raise ValueError(f"The minimum number of nodes ({self.min_nodes}) must be greater than zero.")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"The maximum number of nodes ({self.max_nodes}) must be greater than or equal to the minimum "
+                f"number of nodes ({self.min_nodes})."
+            )
+        if self.lease_ttl < 2 or self.lease_ttl <= self.keep_alive_interval:
+            raise ValueError(
+                f"The node lease TTL ({self.lease_ttl} s = keep_alive_interval x keep_alive_max_attempt) must be at "
+                f"least 2 s and longer than keep_alive_interval ({self.keep_alive_interval} s), or a node would be "
+                "dropped between two renewals."
+            )
+        for name in ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_deadline"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"The rendezvous setting '{name}' ({getattr(self, name)}) must be positive.")
 
 
-class ElasticRendezvousHandler(DynamicRendezvousHandler):
-    """See the module docstring. Create with :func:`create_elastic_handler`."""
+@dataclass
+class _Knowledge:
+    """What one call of next_rendezvous learnt about rounds it does not take part in yet."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._joined_round: int | None = None
-        self._joined_members: frozenset = frozenset()
-        self._reported_change: tuple | None = None
-        self._outage_since: float | None = None
-        self._op_executor = WatchingOpExecutor(self._this_node, self._state_holder, self._settings)
+    count: int | None = None
+    previous_left: int | None = None
+    rejected: int | None = None
+    size: tuple[int, int, int] | None = None  # (round, members, registrations at completion)
+    last_call: tuple[int, int, float] | None = None  # (round, record revision, due)
+    spare: bool = False
+    create_delayed: bool = False
+
+
+class EtcdRendezvousHandler(RendezvousHandler):
+    """See the module docstring. torchrun creates it through the plugin's ``create_rdzv_handler``.
+
+    Args:
+        client: The etcd client; shared with ``store``, closed by neither.
+        store: The c10d store of the run (under ``<prefix>/<run>/store/``); each round's
+            agents see it through a ``PrefixStore`` of that round.
+        settings: Timeouts, liveness and the key prefix.
+        backend_name: The ``--rdzv-backend`` name torch asked for ("etcd" or "etcd-v3").
+        local_addr: This node's address (torchrun's ``--local-addr``); default: its FQDN.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        store: EtcdV3Store,
+        settings: HandlerSettings,
+        backend_name: str = "etcd-v3",
+        local_addr: str | None = None,
+    ) -> None:
+        self._client = client
+        self._store = store
+        self._settings = settings
+        self._backend_name = backend_name
+        self._addr = local_addr or socket.getfqdn()
+        with _LOCAL_IDS_LOCK:
+            local_id = next(_LOCAL_IDS)
+        self._node = node_key(self._addr, os.getpid(), local_id)
+        self._node_text = f"{self._addr}_{os.getpid()}_{local_id}"
+        self._keys = RunKeys(settings.key_prefix, settings.run_id)
+        self._run_lease = run_lease_id(settings.key_prefix, settings.run_id)
+        self._stream = WatchStream(client, name=f"rdzv-watch-{local_id}")
+        self._view = RoundView(client, self._keys, self._stream)
+        self._keep_alive = LeaseKeepAlive(client, settings.keep_alive_deadline, name=f"rdzv-keep-alive-{local_id}")
+        self._lock = threading.Lock()
+        self._lease: int | None = None
+        self._run_lease_renewed = False
+        self._registered: int | None = None  # the round this node has a registration key in
+        self._joined: int | None = None  # the last round this node was a member of
+        self._joined_total = 0  # registrations of that round at its completion
+        self._reported: tuple | None = None
+        self._finished = False
+        self._shared_tcp_store_server: dist.Store | None = None
+        self._bootstrap_store_info: RendezvousStoreInfo | None = None
         atexit.register(_leave_at_exit, weakref.ref(self))
 
+    # -- RendezvousHandler -------------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return self._backend_name
+
+    def get_run_id(self) -> str:
+        return self._settings.run_id
+
+    @property
+    def settings(self) -> HandlerSettings:
+        return self._settings
+
+    @property
+    def node(self) -> str:
+        """This node as torch would name it: ``<address>_<pid>_<n>``."""
+        return self._node_text
+
+    @property
+    def use_agent_store(self) -> bool:
+        return os.getenv(SHARE_STORE_ENV, "0") != "1"
+
     def next_rendezvous(self) -> RendezvousInfo:
-        info = super().next_rendezvous()
-        state = self._state_holder.state
-        self._joined_round = state.round
-        self._joined_members = frozenset(state.participants)
-        os.environ[ENV_RDZV_ROUND] = str(state.round)
-        return info
+        """Join the next round (see the module docstring); blocks until it completes with this node.
+
+        Raises:
+            RendezvousClosedError, RendezvousGracefulExitError: the rendezvous is closed.
+            RendezvousTimeoutError: no round completed with this node within ``join_timeout``.
+            RendezvousConnectionError: etcd failed or refused a request.
+            RendezvousStateError: the round record is corrupt.
+        """
+        log.info("The node '%s' attempts to join the next round of the rendezvous '%s'.", self._node_text,
+                 self._settings.run_id)  # fmt: skip
+        self._view.stop_following()
+        self._reported = None
+        try:
+            rank, world_size, round_ = self._join()
+        except EtcdError as exc:
+            raise RendezvousConnectionError(
+                f"The connection to etcd has failed while joining the rendezvous '{self._settings.run_id}' ({exc})."
+            ) from exc
+        os.environ[ENV_RDZV_ROUND] = str(round_)
+        log.info("The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of size %d.",
+                 self._node_text, round_, self._settings.run_id, rank, world_size)  # fmt: skip
+        store = dist.PrefixStore(f"round-{round_:012d}", self._store)
+        return RendezvousInfo(store, rank, world_size, self._bootstrap(rank, store))
 
     def num_nodes_waiting(self) -> int:
-        try:
-            waiting = super().num_nodes_waiting()
-        except RendezvousError as exc:
-            if self._outage_since is None:
-                self._outage_since = time.monotonic()
-                log.warning(
-                    "The rendezvous backend is unreachable (%s); training goes on, membership changes "
-                    "wait until it is back.", exc,
-                )  # fmt: skip
+        """Nodes waiting for a new round, or members of this node's round that are gone.
+
+        Answered from watched state (no etcd request), so it never fails: during an etcd outage
+        it reports no change, and training, which does not use etcd, goes on.
+        """
+        if self._joined is None or self._finished:
             return 0
-        if self._outage_since is not None:
-            log.warning(
-                "The rendezvous backend is reachable again after %.1f s.", time.monotonic() - self._outage_since
-            )
-            self._outage_since = None
-        if waiting or self._joined_round is None:
-            return waiting
-        state = self._state_holder.state
-        if state.closed:
+        snapshot = self._view.snapshot()
+        record = snapshot.record
+        if record is not None and record.closed:
             return 0
-        gone = self._joined_members - set(state.participants)
-        if state.round != self._joined_round or gone:
-            change = (state.round, frozenset(gone))
-            if change != self._reported_change:
-                self._reported_change = change
-                log.info(
-                    "%d node(s) left round %d of the rendezvous '%s'; restarting the workers at the new "
-                    "membership.", max(len(gone), 1), self._joined_round, self._settings.run_id,
-                )  # fmt: skip
-            return max(len(gone), 1)
+        if record is None or record.round > self._joined:
+            self._report(("new round", None if record is None else record.round),
+                         "A node is waiting to join the rendezvous '%s' (round %s opened after round %d); restarting "
+                         "the workers to admit it.", self._settings.run_id,
+                         "-" if record is None else record.round, self._joined)  # fmt: skip
+            return 1
+        gone = self._view.gone()
+        if gone:
+            self._report(("gone", gone), "%d node(s) left round %d of the rendezvous '%s'; restarting the workers at "
+                         "the new membership.", len(gone), self._joined, self._settings.run_id)  # fmt: skip
+            return len(gone)
         return 0
 
+    def is_closed(self) -> bool:
+        try:
+            snapshot = self._view.refresh()
+        except EtcdError as exc:
+            raise RendezvousConnectionError(f"The connection to etcd has failed ({exc}).") from exc
+        return snapshot.record is not None and snapshot.record.closed
+
+    def set_closed(self) -> None:
+        """Mark the rendezvous closed: every node's next attempt to join fails."""
+        self._close()
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous, then leave it (revoke this node's lease); False if closing failed."""
+        if self._finished:
+            return True
+        try:
+            self._close()
+            return True
+        except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
+            log.warning("The node '%s' could not close the rendezvous '%s' (%s).", self._node_text,
+                        self._settings.run_id, exc)  # fmt: skip
+            return False
+        finally:
+            self.leave()
+
     def leave(self) -> None:
-        """Remove this node from the current round's participants (no-op if closed or not in it)."""
-        self._stop_heartbeats()
-        with self._heartbeat_lock:
-            self._state_holder.sync()
-            state = self._state_holder.state
-            if state.closed or self._this_node not in state.participants:
+        """Revoke this node's lease, so its registration is gone at once, and stop the background
+        threads. Idempotent; the handler cannot join again afterwards."""
+        if self._finished:
+            return
+        self._finished = True
+        self._view.close()
+        self._keep_alive.close()
+        self._stream.close()
+        with self._lock:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                self._client.revoke_lease(lease)
+                log.info("The node '%s' left the rendezvous '%s'.", self._node_text, self._settings.run_id)
+            except EtcdError as exc:
+                log.warning("The node '%s' could not leave the rendezvous at once (%s); the others notice within %d s.",
+                            self._node_text, exc, self._settings.lease_ttl)  # fmt: skip
+
+    # -- joining -------------------------------------------------------------------------------
+
+    def _join(self) -> tuple[int, int, int]:
+        """The protocol loop: (rank, world size, round) once a round completed with this node."""
+        if self._finished:
+            raise RendezvousClosedError(f"The node '{self._node_text}' has left the rendezvous '{self._settings.run_id}'.")
+        settings = self._settings
+        deadline = time.monotonic() + settings.join_timeout
+        self._ensure_lease()
+        self._view.start()
+        known = _Knowledge()
+        while True:
+            if self._finished:
+                raise RendezvousClosedError(f"The node '{self._node_text}' has left the rendezvous '{settings.run_id}'.")
+            if self._view.take_resync():
+                self._view.refresh()
+            snap = self._view.snapshot()
+            self._renew_run_lease(snap)
+            record = snap.record
+            now = time.monotonic()
+            due = self._last_call_due(record, snap, known, now)
+            size = known.size[1] if known.size and record and known.size[0] == record.round else None
+            seen = Seen(
+                record, self._registered, known.count, known.previous_left, self._joined, known.rejected, size,
+                bool(self._view.gone()) if known.spare else False, due, known.spare,
+            )  # fmt: skip
+            step, why = decide(seen, settings.min_nodes, settings.max_nodes, now, deadline)
+            log.debug("Rendezvous '%s', node '%s': %s, because %s.", settings.run_id, self._node_text, step.value, why)
+            try:
+                if step is Step.CHECK_MEMBERSHIP:
+                    member = self._membership(record, known)
+                    if member is not None:
+                        return member
+                elif step is Step.CREATE:
+                    if known.create_delayed:
+                        self._create(snap, known)
+                    else:
+                        known.create_delayed = True
+                        self._view.wait(snap.version, random.uniform(0, _CREATE_JITTER_S))
+                elif step is Step.REGISTER:
+                    self._register(snap, known, record.round, opening=False, previous=record.previous)
+                elif step is Step.OPEN_NEXT:
+                    if known.spare:  # as in torch: a spare that may take part gets a fresh join deadline
+                        deadline = time.monotonic() + settings.join_timeout
+                        known.spare = False
+                        self._view.stop_following()
+                    self._register(snap, known, record.round + 1, opening=True, previous=self._total(record, known))
+                elif step is Step.MARK_LAST_CALL:
+                    self._mark_last_call(snap, known)
+                elif step is Step.COMPLETE:
+                    self._complete(snap, known)
+                elif step is Step.MEASURE:
+                    known.size = (record.round, *self._round_size(record))
+                elif step is Step.WAIT_FOR_PREVIOUS:
+                    self._wait(snap, min(_PREVIOUS_RECHECK_S, max(deadline - time.monotonic(), 0.0)))
+                    self._recount(record, known)
+                elif step is Step.WAIT:
+                    wake = min(deadline, due if due is not None else deadline) - time.monotonic()
+                    self._wait(snap, min(max(wake, 0.0), _MAX_WAIT_S))
+                elif step is Step.WAIT_REDUNDANT:
+                    if not known.spare:
+                        known.spare = True
+                        self._view.follow_members(record.round, record.completed_at, None)
+                        log.info("Round %d of the rendezvous '%s' is full; the node '%s' waits as a spare.",
+                                 record.round, settings.run_id, self._node_text)  # fmt: skip
+                    self._wait(snap, _MAX_WAIT_S)
+                elif step is Step.TIMEOUT:
+                    self._withdraw()
+                    raise RendezvousTimeoutError(
+                        f"The node '{self._node_text}' could not join the rendezvous '{settings.run_id}' within the "
+                        f"join timeout ({settings.join_timeout:g} s): {why}."
+                    )
+                elif step is Step.CLOSED:
+                    raise RendezvousClosedError(f"The rendezvous '{settings.run_id}' is closed.")
+                elif step is Step.GRACEFUL_EXIT:
+                    raise RendezvousGracefulExitError(f"The rendezvous '{settings.run_id}' is closed; {why}.")
+            except EtcdLeaseNotFoundError:
+                # A lease named in the write ended: this node's (etcd unreachable for longer than
+                # its TTL; its registration went with it) or the run's (the round record with it).
+                # Start over with a new lease and a fresh look at the record.
+                log.warning("A lease of the rendezvous ended under node '%s'; registering again.", self._node_text)
+                with self._lock:
+                    self._lease = None
+                self._registered = None
+                known.count = None
+                self._ensure_lease()
+                self._view.refresh()
+
+    def _last_call_due(self, record: RoundRecord | None, snap: Snapshot, known: _Knowledge, now: float) -> float | None:
+        """When this node completes a round in last call: the node that started the last call
+        after ``last_call_timeout``; every other registered node later, as a stand-in in case
+        that node died (after a lease TTL more, plus up to a second of jitter so that stand-ins
+        do not all write at once)."""
+        if record is None or record.state != LAST_CALL or self._registered != record.round:
+            known.last_call = None
+            return None
+        if known.last_call is None or known.last_call[:2] != (record.round, snap.mod_revision):
+            stand_in = self._settings.last_call_timeout + self._settings.lease_ttl + random.uniform(0, 1.0)
+            known.last_call = (record.round, snap.mod_revision, now + stand_in)
+        return known.last_call[2]
+
+    def _wait(self, snap: Snapshot, timeout: float) -> None:
+        if not self._view.wait(snap.version, timeout) and timeout >= _MAX_WAIT_S:
+            self._view.refresh()  # nothing for a while: make sure the watch did not miss it
+
+    def _ensure_lease(self) -> int:
+        with self._lock:
+            if self._lease is not None:
+                return self._lease
+        lease = self._client.grant_lease(self._settings.lease_ttl)
+        with self._lock:
+            self._lease = lease
+        self._keep_alive.add(lease, self._settings.keep_alive_interval, self._on_lease_expired)
+        return lease
+
+    def _on_lease_expired(self, lease: int) -> None:
+        with self._lock:
+            if self._lease == lease:
+                self._lease = None
+        log.warning("etcd reports that the lease of node '%s' has ended: the other nodes see it as gone. It "
+                    "joins again at its next rendezvous.", self._node_text)  # fmt: skip
+
+    def _renew_run_lease(self, snap: Snapshot) -> None:
+        if snap.lease and not self._run_lease_renewed:
+            self._run_lease_renewed = True
+            self._keep_alive.add(snap.lease, max(self._settings.run_ttl / 4, 1.0), self._on_run_lease_expired)
+
+    def _on_run_lease_expired(self, lease: int) -> None:
+        self._run_lease_renewed = False
+
+    def _registration_ops(self, round_: int, previous: int) -> list:
+        """Delete this node's older registration, write the new one, count the round's (and those
+        still left in the round before, when it had any)."""
+        ops: list = []
+        if self._registered is not None and self._registered != round_:
+            ops.append(DeleteRange(self._keys.join(self._registered, self._node)))
+        lease = self._ensure_lease()
+        ops.append(Put(self._keys.join(round_, self._node), self._node_text, lease))
+        ops.extend(self._count_ops(round_, previous))
+        return ops
+
+    def _count_ops(self, round_: int, previous: int) -> list:
+        ops = [Range.prefix(self._keys.joins(round_), count_only=True)]
+        if previous and round_ >= 1:
+            ops.append(Range.prefix(self._keys.joins(round_ - 1), count_only=True))
+        return ops
+
+    def _take_counts(self, results: list, previous: int, known: _Knowledge) -> None:
+        if previous:
+            known.count, known.previous_left = results[-2].count, results[-1].count
+        else:
+            known.count, known.previous_left = results[-1].count, None
+
+    def _recount(self, record: RoundRecord, known: _Knowledge) -> None:
+        """Read the round's registrations and those left in the round before (one read-only
+        transaction)."""
+        result = self._client.txn([], self._count_ops(record.round, record.previous))
+        self._take_counts(result.results, record.previous, known)
+
+    def _total(self, record: RoundRecord, known: _Knowledge) -> int:
+        """Registrations of the completed ``record`` at its completion, as far as known (0: not)."""
+        if self._joined == record.round:
+            return self._joined_total
+        if known.size is not None and known.size[0] == record.round:
+            return known.size[2]
+        return 0
+
+    def _apply(self, result: TxnResult, written: RoundRecord | None) -> None:
+        """Fold a transaction on the round record into the view: ours when it succeeded (the
+        record we wrote, at the transaction's revision), the current one (read in the failure
+        branch) when it did not."""
+        if result.succeeded:
+            if written is not None:
+                kv = KeyValue(self._keys.round, written.encode(), result.revision, 0, 0)
+                self._view.update(kv, result.revision)
+            return
+        current = result.results[-1]
+        self._view.update(current.kvs[0] if current.kvs else None, current.revision)
+
+    def _create(self, snap: Snapshot, known: _Knowledge) -> None:
+        # Numbered after the revision at which the record was seen missing: every earlier
+        # round number of this run was written at an earlier revision, so numbers only grow.
+        record = RoundRecord(round=snap.read_revision + 1)
+        self._client.ensure_lease(self._run_lease, self._settings.run_ttl)
+        ops = [Put(self._keys.round, record.encode(), self._run_lease), *self._registration_ops(record.round, 0)]
+        result = self._client.txn([Compare.absent(self._keys.round)], ops, [Range(self._keys.round)])
+        self._after_registration(result, record, record.round, 0, known)
+
+    def _register(self, snap: Snapshot, known: _Knowledge, round_: int, opening: bool, previous: int) -> None:
+        ops = self._registration_ops(round_, previous)
+        record = None
+        if opening:
+            record = RoundRecord(round=round_, previous=previous)
+            ops.insert(0, Put(self._keys.round, record.encode(), snap.lease or self._run_lease))
+        result = self._client.txn([Compare.mod_revision(self._keys.round, snap.mod_revision)], ops, [Range(self._keys.round)])
+        self._after_registration(result, record, round_, previous, known)
+
+    def _after_registration(
+        self, result: TxnResult, record: RoundRecord | None, round_: int, previous: int, known: _Knowledge
+    ) -> None:
+        self._apply(result, record)
+        if result.succeeded:
+            self._registered = round_
+            self._take_counts(result.results, previous, known)
+            known.rejected = None
+
+    def _mark_last_call(self, snap: Snapshot, known: _Knowledge) -> None:
+        record = replace(snap.record, state=LAST_CALL)
+        result = self._client.txn(
+            [Compare.mod_revision(self._keys.round, snap.mod_revision)],
+            [Put(self._keys.round, record.encode(), snap.lease or self._run_lease)],
+            [Range(self._keys.round)],
+        )
+        self._apply(result, record)
+        if result.succeeded:
+            due = time.monotonic() + self._settings.last_call_timeout
+            known.last_call = (record.round, result.revision, due)
+            log.info("Round %d of the rendezvous '%s' has its minimum of %d node(s); it completes within %g s, at "
+                     "once when %d nodes registered%s.", record.round, self._settings.run_id, self._settings.min_nodes,
+                     self._settings.last_call_timeout, self._settings.max_nodes,
+                     f" or every node of round {record.round - 1} is back" if record.previous else "")  # fmt: skip
+
+    def _complete(self, snap: Snapshot, known: _Knowledge) -> None:
+        round_ = snap.record.round
+        compare = [Compare.mod_revision(self._keys.round, snap.mod_revision)]
+        if snap.record.state == LAST_CALL and (known.count or 0) < self._settings.max_nodes:
+            count = self._client.range(Range.prefix(self._keys.joins(round_), count_only=True)).count
+            if count < self._settings.min_nodes:
+                # Nodes left during the last call: back to waiting for the minimum.
+                record = replace(snap.record, state=OPEN)
+                result = self._client.txn(compare, [Put(self._keys.round, record.encode(), snap.lease or self._run_lease)],
+                                          [Range(self._keys.round)])  # fmt: skip
+                self._apply(result, record)
+                known.count, known.previous_left = count, None
                 return
-            deadline = time.monotonic() + self._settings.timeout.close.total_seconds()
-            self._op_executor.run(_RendezvousExitOp(), deadline)
-        log.info("The node '%s' left the rendezvous '%s'.", self._this_node, self._settings.run_id)
+        record = replace(snap.record, state=COMPLETE, completed_at=0)
+        # The store keys of rounds before the previous one have no reader left; the completing
+        # write drops them in the same raft entry.
+        cleanup = self._store.delete_range_ops("round-", f"round-{round_ - 1:012d}") if round_ >= 1 else []
+        result = self._client.txn(
+            compare,
+            [Put(self._keys.round, record.encode(), snap.lease or self._run_lease), *cleanup],
+            [Range(self._keys.round)],
+        )
+        self._apply(result, record)
+
+    def _round_size(self, record: RoundRecord) -> tuple[int, int]:
+        """(members, registrations) of a completed round: its registrations at ``completed_at``,
+        members at most max_nodes of them ((0, 0) when that revision was compacted: the round is
+        then treated as not full)."""
+        try:
+            request = Range.prefix(self._keys.joins(record.round), count_only=True, revision=record.completed_at)
+            total = self._client.range(request).count
+        except EtcdCompactedError:
+            return 0, 0
+        return min(total, self._settings.max_nodes), total
+
+    def _membership(self, record: RoundRecord, known: _Knowledge) -> tuple[int, int, int] | None:
+        """(rank, world size, round) if this node is a member of the completed round, else None
+        (and the round's size is remembered for the next decision)."""
+        round_, at = record.round, record.completed_at
+        prefix, mine = self._keys.joins(round_), self._keys.join(round_, self._node)
+        try:
+            result = self._client.txn([], [
+                Range.prefix(prefix, count_only=True, revision=at),
+                Range(prefix, mine + b"\x00", revision=at, keys_only=True, limit=1, descending=True),
+            ])  # fmt: skip
+        except EtcdCompactedError:
+            known.rejected, known.size = round_, (round_, 0, 0)
+            return None
+        total, upto = result.results
+        size = min(total.count, self._settings.max_nodes)
+        rank = upto.count - 1
+        present = bool(upto.kvs) and upto.kvs[0].key == mine
+        known.size = (round_, size, total.count)
+        if size < self._settings.min_nodes or not present or rank >= size:
+            known.rejected = round_
+            if size < self._settings.min_nodes:
+                log.info("Round %d of the rendezvous '%s' completed with %d node(s), fewer than the minimum (%d); "
+                         "it is abandoned.", round_, self._settings.run_id, size, self._settings.min_nodes)  # fmt: skip
+            return None
+        last_member = None
+        if total.count > size:
+            # More registrations than max_nodes: the first max_nodes keys are the members. Only
+            # then is the list read (O(max_nodes), once), to tell members' departures apart.
+            members = self._client.range(Range.prefix(prefix, revision=at, keys_only=True, limit=size))
+            last_member = members.kvs[-1].key
+        self._joined, self._joined_total = round_, total.count
+        self._view.follow_members(round_, at, last_member)
+        return rank, size, round_
+
+    def _withdraw(self) -> None:
+        """Remove this node's registration from a round it gives up on (best effort)."""
+        if self._registered is None:
+            return
+        try:
+            self._client.delete(self._keys.join(self._registered, self._node))
+        except EtcdError:
+            log.debug("Could not withdraw the registration of '%s'; its lease removes it.", self._node_text)
+        self._registered = None
+
+    def _bootstrap(self, rank: int, store: dist.Store) -> RendezvousStoreInfo:
+        """MASTER_ADDR/PORT for the workers, as torch's handler builds them."""
+        if os.getenv(SHARE_STORE_ENV, "0") == "1":
+            return RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        # torch's shared agent store: rank 0 hosts a TCPStore the workers use.
+        if self._bootstrap_store_info is None or (rank == 0 and self._shared_tcp_store_server is None):
+            server_port = 0
+            if rank == 0:
+                self._shared_tcp_store_server = dist.TCPStore(self._addr, 0, is_master=True, multi_tenant=True)
+                server_port = self._shared_tcp_store_server.port
+            self._bootstrap_store_info = RendezvousStoreInfo.build(rank, store, local_addr=self._addr,
+                                                                   server_port=server_port)  # fmt: skip
+        return self._bootstrap_store_info
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        deadline = time.monotonic() + self._settings.close_timeout
+        try:
+            snap = self._view.refresh()
+            while snap.record is None or not snap.record.closed:
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeoutError(
+                        f"The rendezvous '{self._settings.run_id}' could not be closed within the close timeout "
+                        f"({self._settings.close_timeout:g} s)."
+                    )
+                if snap.record is None:
+                    record = RoundRecord(round=snap.read_revision + 1, closed=True)
+                    self._client.ensure_lease(self._run_lease, self._settings.run_ttl)
+                    compare, lease = Compare.absent(self._keys.round), self._run_lease
+                else:
+                    record = replace(snap.record, closed=True)
+                    compare, lease = Compare.mod_revision(self._keys.round, snap.mod_revision), snap.lease or self._run_lease
+                result = self._client.txn([compare], [Put(self._keys.round, record.encode(), lease)], [Range(self._keys.round)])
+                self._apply(result, record)
+                snap = self._view.snapshot()
+        except EtcdError as exc:
+            raise RendezvousConnectionError(f"The connection to etcd has failed while closing the rendezvous ({exc}).") from exc
+        log.info("The node '%s' has closed the rendezvous '%s'.", self._node_text, self._settings.run_id)
+
+    def _report(self, change: tuple, message: str, *args) -> None:
+        if change != self._reported:
+            self._reported = change
+            log.info(message, *args)
 
 
 def _leave_at_exit(handler_ref: weakref.ref) -> None:
     handler = handler_ref()
-    if handler is None or handler._joined_round is None:
+    if handler is None:
         return
     try:
         handler.leave()
-    except Exception as exc:  # noqa: BLE001 - the heartbeat expiry removes us anyway
-        log.warning("Could not leave the rendezvous at exit (%s); the others notice within the keep-alive timeout.", exc)
-
-
-def _seconds(params: RendezvousParameters, key: str) -> timedelta | None:
-    value = params.get_as_int(key)
-    return None if value is None else timedelta(seconds=value)
-
-
-def create_elastic_handler(store: Store, backend: RendezvousBackend, params: RendezvousParameters) -> ElasticRendezvousHandler:
-    """The handler for ``params`` (torch's rdzv_conf keys, as torch's ``create_handler`` reads them)."""
-    timeout = RendezvousTimeout(
-        _seconds(params, "join_timeout"),
-        _seconds(params, "last_call_timeout"),
-        _seconds(params, "close_timeout"),
-        _seconds(params, "heartbeat") or _seconds(params, "heartbeat_timeout"),
-    )
-    keep_alive_interval = params.get_as_int("keep_alive_interval", 5)
-    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
-    if keep_alive_interval is None or keep_alive_max_attempt is None:
-        raise ValueError("The rendezvous options 'keep_alive_interval' and 'keep_alive_max_attempt' must be integers.")
-    settings = RendezvousSettings(
-        params.run_id,
-        params.min_nodes,
-        params.max_nodes,
-        timeout,
-        keep_alive_interval=timedelta(seconds=keep_alive_interval),
-        keep_alive_max_attempt=keep_alive_max_attempt,
-    )
-    node = ElasticRendezvousHandler._node_desc_generator.generate(params.local_addr)
-    holder = OutageTolerantStateHolder(backend, settings)
-    return ElasticRendezvousHandler(node, settings, backend.name, store, holder)
+    except Exception as exc:  # noqa: BLE001 - the lease expires by itself anyway
+        log.warning("Could not leave the rendezvous at exit (%s); the others notice when the lease expires.", exc)

@@ -7,27 +7,30 @@ one place touching torch's private registry dict). ``ELASTIC_DDP_TORCH_ETCD=1`` 
 
 This module imports neither grpc nor etcd3; the client is imported when a handler is created.
 
-Fast-recovery defaults -- what bounds "SIGKILL of one node -> survivors train again" in torch
-2.13's DynamicRendezvousHandler (read from dynamic_rendezvous.py and measured with the e2e test):
+Recovery defaults -- what bounds "SIGKILL of one node -> survivors train again" (measured with
+``benchmarks/bench_recovery.py`` and the chaos suite):
 
-1. Survivors' workers fail at once (gloo sees the peer's sockets close); the agent notices within
-   its monitor interval (0.1 s) and re-enters the rendezvous. The dead node is still listed as a
-   participant of the completed round, so the survivors wait in the wait list.
-2. A node is declared dead only when its last heartbeat is older than
-   ``keep_alive_interval * keep_alive_max_attempt`` (torch: 5 s * 3 = 15 s); the check runs on
-   each state sync, which a waiting node does once per second. With 1 s * 3 the dead node is
-   dropped 2-3 s after the kill. Heartbeats compare wall clocks of different hosts, so clocks
-   must agree to well under 3 s (NTP gives milliseconds); each node writes the state once a
-   second, which etcd handles easily for tens of nodes.
-3. Once the round is reopened and ``min_nodes`` are back, the rendezvous still waits
-   ``last_call_timeout`` (torch: 30 s) for more nodes unless ``max_nodes`` joined. 2 s is enough
-   for nodes already restarting together (they re-enter within ~0.5 s of each other); a node
-   joining later causes one more round (the agent sees it waiting), which is the normal scale-up.
-4. The workers restart (interpreter + torch import + process group init: ~3-4 s here).
+1. The survivors' workers fail at once (gloo sees the peer's sockets close); each agent notices
+   within its monitor interval (0.1 s) and asks for a new round. Death of the lost node does not
+   have to be detected first: it simply never registers for the new round.
+2. Once ``min_nodes`` registered, the round waits ``last_call_timeout`` (torch: 30 s) for more
+   unless ``max_nodes`` registered. 2 s is enough for nodes already restarting together (they
+   re-register within ~0.5 s of each other); a node joining later causes one more round (the
+   others see it waiting), which is the normal scale-up.
+3. The workers restart (interpreter + torch import + process group init: ~3-4 s here).
 
-torch's defaults give ~15 + 1 + 30 + 4 = ~50 s (46 s was measured with c10d); these give
-~3 + 1 + 2 + 4 = ~10 s. ``join_timeout`` stays torch's 600 s: it bounds waiting for ``min_nodes``
-to appear at all, not recovery. The user's rdzv_conf values always win over these defaults.
+That is ~0.1 + 2 + 4 = ~6-7 s against ~46 s with torch's defaults and c10d.
+
+A node that dies while its group does not notice (no collective running, or an NCCL hang) is
+seen through its lease: it ends ``keep_alive_interval * keep_alive_max_attempt`` = 1 s * 5 = 5 s
+after the node's last renewal, and every member of its round is told by a watch. 5 s, not less:
+a healthy node must survive an etcd leader election, during which no renewal is answered
+(measured on 3 local members: renewals resume ~1-1.5 s after the leader is killed, and the new
+leader gives every lease its full TTL again). ``heartbeat_timeout`` bounds one renewal (at most
+half the TTL, so a renewal stuck on a silent member leaves time to try another).
+
+``join_timeout`` stays torch's 600 s: it bounds waiting for ``min_nodes`` to appear at all, not
+recovery. The user's rdzv_conf values always win over these defaults.
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 if TYPE_CHECKING:  # pragma: no cover
     from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
     from elastic_ddp.rendezvous.client import EtcdClient
+    from elastic_ddp.rendezvous.handler import EtcdRendezvousHandler, HandlerSettings
     from elastic_ddp.rendezvous.store import EtcdV3Store
 
 __all__ = [
     "DEFAULT_CLOSE_TIMEOUT",
+    "DEFAULT_RUN_TTL",
     "DEFAULT_HEARTBEAT_TIMEOUT",
     "DEFAULT_KEEP_ALIVE_INTERVAL",
     "DEFAULT_KEEP_ALIVE_MAX_ATTEMPT",
@@ -62,20 +67,23 @@ PASSWORD_ENV = "ELASTIC_DDP_ETCD_PASSWORD"
 """The etcd password (with rdzv_conf ``user``); never taken from rdzv_conf, which is visible in
 ``ps`` output and logs."""
 TORCH_ETCD_ENV = "ELASTIC_DDP_TORCH_ETCD"
-# torch: "1" makes each rendezvous round host a new store on its rank-0 worker.
-DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """``1``: ``--rdzv-backend=etcd`` stays torch's legacy v2 handler."""
+DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torch's switch: ``1`` makes each rendezvous round host a new store on its rank-0 worker
+instead of one TCPStore on the first round's rank-0 agent (see :func:`_per_round_worker_store`)."""
 
 DEFAULT_ENDPOINT_PORT = 2379
 DEFAULT_READ_TIMEOUT = 10  # seconds per etcd request; torch's etcd-v2 uses 60
 DEFAULT_KEY_PREFIX = "/elastic_ddp/rendezvous"
 
 # Recovery defaults (see the module docstring for the reasoning).
-DEFAULT_KEEP_ALIVE_INTERVAL = 1  # torch: 5 s
-DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3  # torch: 3 -> a silent node is dead after 3 s
+DEFAULT_KEEP_ALIVE_INTERVAL = 1  # torch: 5 s; seconds between lease renewals
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # torch: 3; lease TTL = 1 s * 5: a silent node is gone after 5 s
 DEFAULT_LAST_CALL_TIMEOUT = 2  # torch: 30 s
-DEFAULT_HEARTBEAT_TIMEOUT = 5  # torch: 5 s; time one heartbeat write may take
+DEFAULT_HEARTBEAT_TIMEOUT = 5  # torch: 5 s; the longest one renewal may take (capped at TTL / 2)
 DEFAULT_CLOSE_TIMEOUT = 10  # torch: 30 s; time to mark the rendezvous closed at shutdown
+DEFAULT_JOIN_TIMEOUT = 600  # torch's
+DEFAULT_RUN_TTL = 7200  # the round record outlives the run's last node by 2 h (torch's etcd-v2: 2 h)
 
 _HANDLER_DEFAULTS: dict[str, int] = {
     "keep_alive_interval": DEFAULT_KEEP_ALIVE_INTERVAL,
@@ -214,10 +222,15 @@ def create_client(params: RendezvousParameters) -> EtcdClient:
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
-    """Create the etcd v3 rendezvous backend and c10d store described by ``params``.
+    """torch's ``RendezvousBackend`` on etcd v3 and the c10d store, for users who build torch's own
+    ``DynamicRendezvousHandler`` (``torchrun --rdzv-backend=etcd`` uses :func:`create_rdzv_handler`).
+
+    The backend keeps the whole rendezvous in one key that every node rewrites at each heartbeat;
+    it serves tens of nodes, not hundreds (see docs/rendezvous.md).
 
     ``params.endpoint`` is a comma-separated list of ``host[:port]`` (port 2379 by default,
-    ``localhost:2379`` if empty); requests fail over between them.
+    ``localhost:2379`` if empty); requests fail over between them. Connection options, shared
+    with :func:`create_rdzv_handler`:
 
     +---------------------------+--------------------------------------------------------------+
     | rdzv_conf key (aliases)   | Meaning and default                                          |
@@ -233,13 +246,9 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     | password                  | Refused (rdzv_conf is visible in ``ps`` and logs).          |
     +---------------------------+--------------------------------------------------------------+
 
-    Passed through to torch's handler, with this project's defaults when not given:
-    ``keep_alive_interval`` 1, ``keep_alive_max_attempt`` 3, ``last_call_timeout`` 2,
-    ``heartbeat_timeout`` (or ``heartbeat``) 5, ``close_timeout`` 10, ``join_timeout`` 600 (torch's). torchrun's own
-    ``timeout`` and ``rank`` are accepted and ignored. Any other key raises ``ValueError``.
-
-    Layout: the state is ``<key_prefix>/<run_id>/state``; the store's keys are under
-    ``<key_prefix>/<run_id>/store/``.
+    Any key that is neither these nor a handler key (:func:`create_rdzv_handler`) raises
+    ``ValueError``. Layout: the state is ``<key_prefix>/<run_id>/state``; the store's keys are
+    under ``<key_prefix>/<run_id>/store/``.
     """
     from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
     from elastic_ddp.rendezvous.store import EtcdV3Store
@@ -267,27 +276,101 @@ def _with_recovery_defaults(params: RendezvousParameters) -> RendezvousParameter
     )
 
 
-def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun's handler creator: an :class:`~elastic_ddp.rendezvous.handler.ElasticRendezvousHandler`
-    (torch's DynamicRendezvousHandler that also restarts survivors when a node leaves) on etcd v3
-    (see :func:`create_backend`)."""
+def _seconds(params: RendezvousParameters, *keys: str) -> int | None:
+    for key in keys:
+        value = params.get(key)
+        if value is None:
+            continue
+        try:
+            seconds = int(value)
+        except (TypeError, ValueError):
+            seconds = -1
+        if seconds <= 0:
+            raise ValueError(f"The rendezvous option '{key}' ({value!r}) must be a positive whole number of seconds.")
+        return seconds
+    return None
+
+
+def handler_settings(params: RendezvousParameters) -> HandlerSettings:
+    """The handler's settings from ``params`` (with this project's defaults already merged in)."""
+    from elastic_ddp.rendezvous.handler import HandlerSettings
+
+    interval = _seconds(params, "keep_alive_interval") or DEFAULT_KEEP_ALIVE_INTERVAL
+    attempts = _seconds(params, "keep_alive_max_attempt") or DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+    ttl = interval * attempts
+    heartbeat = _seconds(params, "heartbeat", "heartbeat_timeout") or DEFAULT_HEARTBEAT_TIMEOUT
+    return HandlerSettings(
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        key_prefix=_key_prefix(params),
+        join_timeout=_seconds(params, "join_timeout") or DEFAULT_JOIN_TIMEOUT,
+        last_call_timeout=_seconds(params, "last_call_timeout") or DEFAULT_LAST_CALL_TIMEOUT,
+        close_timeout=_seconds(params, "close_timeout") or DEFAULT_CLOSE_TIMEOUT,
+        keep_alive_interval=interval,
+        lease_ttl=ttl,
+        keep_alive_deadline=min(float(heartbeat), ttl / 2),
+        run_ttl=DEFAULT_RUN_TTL,
+    )
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+    """torchrun's handler creator: an :class:`~elastic_ddp.rendezvous.handler.EtcdRendezvousHandler`
+    (per-node state in etcd, leases for liveness; see that module).
+
+    Connection options as for :func:`create_backend`. Handler options (torch's names), with this
+    project's defaults when not given:
+
+    +------------------------------+-----------------------------------------------------------+
+    | rdzv_conf key                | Meaning and default                                       |
+    +==============================+===========================================================+
+    | join_timeout                 | Seconds to wait for a round with this node. 600.          |
+    | last_call_timeout            | Seconds a round waits for more nodes once ``min_nodes``   |
+    |                              | registered (none once ``max_nodes`` did). 2 (torch: 30).  |
+    | close_timeout                | Seconds to mark the rendezvous closed at shutdown. 10.    |
+    | keep_alive_interval          | Seconds between lease renewals. 1 (torch: 5).             |
+    | keep_alive_max_attempt       | Renewals a node may miss: its lease TTL is                |
+    |                              | ``keep_alive_interval * keep_alive_max_attempt``. 5.      |
+    | heartbeat_timeout (heartbeat)| Longest one renewal may take (at most TTL / 2). 5.        |
+    +------------------------------+-----------------------------------------------------------+
+
+    torchrun's own ``timeout``, ``rank``, ``is_host`` and ``local_addr`` are accepted and ignored.
+    """
     from elastic_ddp.logs import configure_logging
-    from elastic_ddp.rendezvous.handler import create_elastic_handler
+    from elastic_ddp.rendezvous.handler import EtcdRendezvousHandler
+    from elastic_ddp.rendezvous.store import EtcdV3Store
 
     configure_logging("agent")
     params = _with_recovery_defaults(params)
-    backend, store = create_backend(params)
-    # torch's shared worker TCPStore is hosted by the first round's rank-0 agent and its address
-    # is cached by the other agents; after a membership change of three or more nodes a round can
-    # keep an address no one serves, and the workers hang. Without sharing, each round's rank-0
-    # worker hosts a fresh store, so no node stays a single point of failure. A value the user
-    # set wins.
+    settings = handler_settings(params)  # every option is checked before a connection is made
+    client = create_client(params)
+    store = EtcdV3Store(client, f"{settings.key_prefix}/{params.run_id}/store/")
+    _per_round_worker_store()  # also done by the entry points; here for callers that skip them
+    name = params.backend if params.backend in ("etcd", "etcd-v3") else "etcd-v3"
+    return EtcdRendezvousHandler(client, store, settings, backend_name=name, local_addr=params.local_addr)
+
+
+def _per_round_worker_store() -> None:
+    """Make every rendezvous round of this process's agent host a fresh worker store, unless the
+    user chose otherwise by setting :data:`DISABLE_SHARED_STORE_ENV` themselves.
+
+    torch's shared worker TCPStore lives in the agent that was rank 0 of the first round, and the
+    other agents cache its address. With ``--standalone`` or ``c10d`` a killed worker's restart
+    then fails (``Gloo connectFullMesh failed ... Connection refused``) until every restart is
+    spent; across nodes, a membership change can leave a round with an address no one serves.
+    Without sharing, each round's rank-0 worker hosts a fresh store, so no node stays a single
+    point of failure. The entry-point loaders call this: torch loads every ``torchrun.handlers``
+    entry point when its handler registry is imported, before any rendezvous, whatever
+    ``--rdzv-backend`` names -- so the setting reaches every agent that has this package
+    installed, and its workers through the environment they inherit.
+    """
     os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")
-    return create_elastic_handler(store, backend, params)
 
 
 def etcd_v3_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """Entry point ``etcd-v3``: returns the handler creator."""
+    """Entry point ``etcd-v3``: returns the handler creator (and sets up per-round worker stores,
+    see :func:`_per_round_worker_store`)."""
+    _per_round_worker_store()
     return create_rdzv_handler
 
 
@@ -314,8 +397,10 @@ def etcd_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
 
     torch registers each entry point's creator under its name and refuses a different creator for
     a taken name. With the env var set this returns torch's own creator, so registering it again
-    is a no-op; otherwise torch's entry is removed first.
+    is a no-op; otherwise torch's entry is removed first. Either way this sets up per-round
+    worker stores (:func:`_per_round_worker_store`).
     """
+    _per_round_worker_store()
     registry = _torch_handler_registry()
     if os.environ.get(TORCH_ETCD_ENV, "").strip() == "1":
         torch_creator = registry.get("etcd")

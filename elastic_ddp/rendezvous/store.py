@@ -10,18 +10,38 @@ attached to one lease per store object, kept alive by a daemon thread while the 
 so the keys of a finished (or crashed) run expire ``lease_ttl`` seconds after its last process.
 Blocking reads wait on an etcd watch started at the revision of the read that missed, so a key
 written between the read and the watch is never missed and nothing polls.
+
+``add`` survives failover exactly once. A connection can drop after etcd applied a write but
+before the reply arrived; the client then retries on another member. A retried compare-and-set
+of the counter fails its compare (the first attempt moved the revision), and without more the
+caller could not tell "applied, reply lost" from "someone else added". So each ``add`` writes, in
+the same transaction, a ledger key ``<prefix>.adds/<key>/<store id>`` holding the id of that
+call; the retry's failure branch reads it back, and finding its own id means the first attempt
+was applied. One ledger key per (store object, counter) is overwritten, never accumulated, and
+lives on the store's lease; adds of one store object (and its clones) are serialised so the
+ledger is not overwritten by a sibling in between.
+
+Many keys at once (``multi_get``, ``multi_set``, the waits) go in transactions of up to
+``_MAX_TXN_OPS`` operations (etcd's default ``--max-txn-ops`` is 128): at 1,000 nodes torch's
+agent on rank 0 reads and writes one key per node each round, which is 8 round trips this way
+instead of 1,000.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+import threading
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from elastic_ddp.rendezvous.client import EtcdClient, EtcdError, KeyValue, LeaseKeeper
+from elastic_ddp.rendezvous.client import (
+    Compare, DeleteRange, EtcdClient, EtcdError, KeyValue, LeaseKeeper, Put, Range,
+)  # fmt: skip
 
 __all__ = ["DEFAULT_STORE_LEASE_TTL", "DEFAULT_STORE_TIMEOUT", "EtcdV3Store"]
 
@@ -29,6 +49,7 @@ DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout
 # Long enough to survive an etcd outage of a few minutes without losing keys (the keeper
 # refreshes every ttl/3), short enough that a crashed run's keys go away soon.
 DEFAULT_STORE_LEASE_TTL = 600
+_MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 
 
 def _to_bytes(data: str | bytes | bytearray) -> bytes:
@@ -43,6 +64,30 @@ def _seconds(timeout: timedelta | float) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
+class _Shared:
+    """What a store and its clones share: the lease, the add lock and ledger identity, the clones."""
+
+    def __init__(self, lease: LeaseKeeper) -> None:
+        self.lease = lease
+        self.lock = threading.Lock()
+        self.add_lock = threading.Lock()
+        self.store_id = uuid.uuid4().hex
+        self._calls = itertools.count()
+        self.clones: list[EtcdV3Store] = []
+
+    def next_call_id(self) -> bytes:
+        return f"{self.store_id}:{next(self._calls)}".encode()
+
+    @staticmethod
+    def ledger_prefix(store_prefix: bytes) -> bytes:
+        # Beside the store's prefix, not under it: ledger keys are no store keys.
+        return store_prefix.rstrip(b"/") + b".adds/"
+
+    def ledger_key(self, store_prefix: bytes, key: bytes) -> bytes:
+        # The counter's key first, so that a range of store keys and its ledger range line up.
+        return self.ledger_prefix(store_prefix) + key + b"/" + self.store_id.encode()
+
+
 class EtcdV3Store(dist.Store):
     """A :class:`torch.distributed.Store` keeping its keys under ``prefix`` in etcd.
 
@@ -52,8 +97,9 @@ class EtcdV3Store(dist.Store):
         timeout: Default wait of ``get``/``wait`` (timedelta or seconds).
         lease_ttl: TTL of the lease every key is attached to, in seconds.
 
-    Errors: a wait that times out raises :class:`torch.distributed.DistStoreError` (what torch's
-    barrier code catches); etcd failures raise ``DistStoreError`` too, chained to the cause.
+    Errors: a wait that times out raises :class:`torch.distributed.DistStoreError` whose message
+    says "timeout" (what torch's barrier code catches and what users search logs for); etcd
+    failures raise ``DistStoreError`` too, chained to the cause.
     """
 
     def __init__(
@@ -62,13 +108,16 @@ class EtcdV3Store(dist.Store):
         prefix: str,
         timeout: timedelta | float = DEFAULT_STORE_TIMEOUT,
         lease_ttl: int = DEFAULT_STORE_LEASE_TTL,
+        *,
+        _shared: _Shared | None = None,
     ) -> None:
         super().__init__()  # required by the pybind trampoline
         if not prefix:
             raise ValueError("The etcd store prefix must be a non-empty string.")
         self._client = client
         self._prefix = _to_bytes(prefix if prefix.endswith("/") else prefix + "/")
-        self._lease = LeaseKeeper(client, lease_ttl, name="etcd-store-lease")
+        self._shared = _shared or _Shared(LeaseKeeper(client, lease_ttl, name="etcd-store-lease"))
+        self._lease = self._shared.lease
         self.set_timeout(timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout))
 
     @property
@@ -85,6 +134,20 @@ class EtcdV3Store(dist.Store):
         except EtcdError as exc:
             raise dist.DistStoreError(f"The etcd store could not {what}: {exc}") from exc
 
+    def clone(self) -> EtcdV3Store:
+        """Another store object on the same keys, client and lease, for use from another thread.
+
+        torch calls this from C++ (e.g. when it splits or shrinks a process group) and holds only
+        a C++ reference to the result; pybind drops the Python half of an object no Python name
+        refers to, after which C++ calls into it fail with "Not implemented". The original store
+        therefore keeps every clone alive (a few hundred bytes each; torch clones once per group
+        it creates).
+        """
+        twin = EtcdV3Store(self._client, self.prefix, self.timeout, _shared=self._shared)
+        with self._shared.lock:
+            self._shared.clones.append(twin)
+        return twin
+
     # -- writes ------------------------------------------------------------------------------
 
     def set(self, key: str | bytes, value: str | bytes) -> None:
@@ -92,29 +155,48 @@ class EtcdV3Store(dist.Store):
         self._etcd("set a key", lambda: self._client.put(self._key(key), _to_bytes(value), lease=self._lease.lease_id))
 
     def multi_set(self, keys: Sequence[str | bytes], values: Sequence[str | bytes]) -> None:
+        """Write every pair, in transactions of up to 128 puts."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values.")
-        for key, value in zip(keys, values):
-            self.set(key, value)
+        pairs = list(zip(keys, values))
+        for start in range(0, len(pairs), _MAX_TXN_OPS):
+            lease = self._lease.lease_id
+            puts = [Put(self._key(k), _to_bytes(v), lease) for k, v in pairs[start : start + _MAX_TXN_OPS]]
+            self._etcd("set keys", self._client.txn, [], puts)
 
     def add(self, key: str | bytes, amount: int) -> int:
-        """Atomically add ``amount`` to the decimal integer at ``key`` (missing = 0); returns the sum."""
+        """Atomically add ``amount`` to the decimal integer at ``key`` (missing = 0); returns the sum.
+
+        Applied exactly once even when a reply is lost and the request retried on another member
+        (see the module docstring).
+        """
         etcd_key = self._key(key)
-        current: KeyValue | None = self._etcd("read a counter", self._client.get, etcd_key)
-        while True:
-            base = 0 if current is None else self._as_int(key, current.value)
-            revision = 0 if current is None else current.mod_revision
-            written, current = self._etcd(
-                "update a counter",
-                lambda: self._client.compare_and_put(
-                    etcd_key, str(base + amount).encode(), revision, lease=self._lease.lease_id
-                ),
-            )
-            if written:
-                return base + amount
-            # Lost the race: the transaction returned the winner's value; retry from it after a
-            # short random pause so that many adders do not collide in lockstep.
-            time.sleep(random.uniform(0, 0.01))
+        ledger = self._shared.ledger_key(self._prefix, _to_bytes(key))
+        with self._shared.add_lock:
+            call_id = self._shared.next_call_id()
+            current: KeyValue | None = self._etcd("read a counter", self._client.get, etcd_key)
+            while True:
+                base = 0 if current is None else self._as_int(key, current.value)
+                revision = 0 if current is None else current.mod_revision
+                total = base + amount
+                lease = self._lease.lease_id
+                result = self._etcd(
+                    "update a counter",
+                    self._client.txn,
+                    [Compare.mod_revision(etcd_key, revision)],
+                    [Put(etcd_key, str(total).encode(), lease), Put(ledger, call_id, lease)],
+                    [Range(etcd_key), Range(ledger)],
+                )
+                if result.succeeded:
+                    return total
+                counter, last = result.results
+                if last.kvs and last.kvs[0].value == call_id:
+                    # This call's first attempt was applied; only its reply was lost.
+                    return total
+                # Lost the race: retry from the winner's value after a short random pause so
+                # that many adders do not collide in lockstep.
+                current = counter.kvs[0] if counter.kvs else None
+                time.sleep(random.uniform(0, 0.01))
 
     @staticmethod
     def _as_int(key, value: bytes) -> int:
@@ -149,13 +231,18 @@ class EtcdV3Store(dist.Store):
     # -- reads -------------------------------------------------------------------------------
 
     def _read(self, keys: Iterable[str | bytes]) -> tuple[dict[bytes, bytes], int]:
-        """Current values of the present keys, and a revision no later than any of the reads."""
+        """Current values of the present keys, and a revision no later than any of the reads.
+
+        Up to 128 keys are read in one read-only transaction (one round trip, one revision)."""
+        wanted = list(dict.fromkeys(_to_bytes(k) for k in keys))
         found, revision = {}, None
-        for key in keys:
-            kvs, rev = self._etcd("read a key", self._client.get_with_revision, self._key(key))
-            revision = rev if revision is None else min(revision, rev)
-            if kvs:
-                found[_to_bytes(key)] = kvs[0].value
+        for start in range(0, len(wanted), _MAX_TXN_OPS):
+            batch = wanted[start : start + _MAX_TXN_OPS]
+            result = self._etcd("read keys", self._client.txn, [], [Range(self._key(k)) for k in batch])
+            revision = result.revision if revision is None else min(revision, result.revision)
+            for key, read in zip(batch, result.results):
+                if read.kvs:
+                    found[key] = read.kvs[0].value
         return found, revision or 0
 
     def _wait_read(self, keys: Sequence[str | bytes], timeout: timedelta | float | None) -> dict[bytes, bytes]:
@@ -170,8 +257,8 @@ class EtcdV3Store(dist.Store):
             if remaining <= 0:
                 missing = [k.decode(errors="replace") for k in wanted if k not in found]
                 raise dist.DistStoreError(
-                    f"Timed out after {seconds:g} s waiting for store keys {missing} under etcd prefix "
-                    f"'{self.prefix}'."
+                    f"Store wait timeout after {seconds:g} s: the keys {missing} under etcd prefix "
+                    f"'{self.prefix}' were not set."
                 )
             # Any change under our prefix since the read wakes us; then re-read. Watching the
             # prefix (not each key) keeps it one watch however many keys are awaited.
@@ -205,9 +292,24 @@ class EtcdV3Store(dist.Store):
         """How many keys this store holds (all rounds)."""
         return self._etcd("count keys", self._client.count_prefix, self._prefix)
 
+    def delete_range_ops(self, start: str, end: str) -> list[DeleteRange]:
+        """Transaction operations deleting the store keys in ``[start, end)`` and their add ledger
+        entries (for a caller that folds the cleanup into a write it makes anyway)."""
+        ledger = self._shared.ledger_prefix(self._prefix)
+        return [
+            DeleteRange(self._key(start), self._key(end)),
+            DeleteRange(ledger + _to_bytes(start), ledger + _to_bytes(end)),
+        ]
+
+    def list_keys(self) -> list[str]:
+        """Every key this store holds, in etcd's (byte) order."""
+        result = self._etcd("list keys", self._client.range, Range.prefix(self._prefix, keys_only=True))
+        return [kv.key[len(self._prefix) :].decode(errors="replace") for kv in result.kvs]
+
     def getNumKeys(self) -> int:  # noqa: N802
         return self.num_keys()
 
     def close(self, revoke: bool = False) -> None:
-        """Stop the lease keeper; with ``revoke`` delete this store's keys written by this object."""
+        """Stop the lease keeper (shared with the clones); with ``revoke`` also delete every key
+        written through this store or its clones."""
         self._lease.close(revoke=revoke)

@@ -1,0 +1,161 @@
+"""The etcd client's long-lived parts against a real etcd: the resumable watch stream, lease
+keep-alive, compaction."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from elastic_ddp.etcd_server import EtcdServer
+from elastic_ddp.rendezvous.client import (
+    EtcdClient, EtcdCompactedError, LeaseKeepAlive, Range, WatchEvent, WatchStream, parse_endpoints,
+)  # fmt: skip
+from tests.helpers.nodes import wait_for
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: list[WatchEvent] = []
+        self.resyncs = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, events: list[WatchEvent]) -> None:
+        with self._lock:
+            self.events += events
+
+    def resync(self) -> None:
+        self.resyncs += 1
+
+    def keys(self, kind: str | None = None) -> list[bytes]:
+        with self._lock:
+            return [e.key for e in self.events if kind is None or e.kind == kind]
+
+
+def test_a_watch_delivers_from_its_start_revision_and_resumes_after_a_restart_without_a_gap(tmp_path):
+    with EtcdServer(tmp_path / "etcd") as etcd, EtcdClient(etcd.endpoint, timeout=5) as client:
+        client.put("/w/before", "0")
+        start = client.range(Range("/w/")).revision  # changes after this read must all arrive
+        client.put("/w/a", "1")
+        stream, seen = WatchStream(client), Collector()
+        try:
+            stream.watch("/w/", seen, start_revision=start + 1, prefix=True)
+            client.put("/w/b", "2")
+            wait_for(lambda: seen.keys() == [b"/w/a", b"/w/b"], 10, what="the first two changes")
+            etcd.stop()
+            time.sleep(2)
+            etcd.start()
+            client.put("/w/c", "3")
+            client.delete("/w/a")
+            wait_for(lambda: len(seen.keys()) == 4, 30, what="the changes after the restart")
+            assert seen.keys() == [b"/w/a", b"/w/b", b"/w/c", b"/w/a"]  # once each, in order
+            assert [e.kind for e in seen.events] == ["put", "put", "put", "delete"]
+        finally:
+            stream.close()
+
+
+def test_a_deletions_only_watch_reports_what_was_deleted_and_when_it_was_created(etcd_client, etcd_prefix):
+    stream, seen = WatchStream(etcd_client), Collector()
+    try:
+        start = etcd_client.range(Range(etcd_prefix)).revision
+        stream.watch(f"{etcd_prefix}/", seen, start_revision=start + 1, prefix=True, no_put=True, prev_kv=True)
+        created = etcd_client.put(f"{etcd_prefix}/gone", "x")
+        etcd_client.put(f"{etcd_prefix}/stays", "y")
+        etcd_client.delete(f"{etcd_prefix}/gone")
+        wait_for(lambda: seen.keys(), 10, what="the deletion")
+        time.sleep(0.2)  # a put delivered in error would arrive with the deletion
+        assert [(e.kind, e.key, e.prev.create_revision) for e in seen.events] == [
+            ("delete", f"{etcd_prefix}/gone".encode(), created)
+        ]
+    finally:
+        stream.close()
+
+
+def test_a_watch_from_a_compacted_revision_asks_its_owner_to_read_again_and_goes_on(etcd_client, etcd_prefix):
+    old = etcd_client.put(f"{etcd_prefix}/k", "1")
+    etcd_client.put(f"{etcd_prefix}/k", "2")
+    now = etcd_client.range(Range(etcd_prefix)).revision
+    etcd_client._raw.compact(now)  # test setup only: compaction has no wrapper
+    with pytest.raises(EtcdCompactedError):
+        etcd_client.range(Range(f"{etcd_prefix}/k", revision=old))
+    stream, seen = WatchStream(etcd_client), Collector()
+    try:
+        stream.watch(f"{etcd_prefix}/", seen, start_revision=old, prefix=True, on_resync=seen.resync)
+        wait_for(lambda: seen.resyncs == 1, 10, what="the resync")
+        etcd_client.put(f"{etcd_prefix}/k", "3")
+        wait_for(lambda: b"3" in [e.value for e in seen.events], 10, what="the change after the resync")
+    finally:
+        stream.close()
+
+
+def test_keep_alive_renews_a_lease_past_its_ttl_and_reports_one_that_ended(etcd_client, etcd_prefix):
+    keep, ended = LeaseKeepAlive(etcd_client, deadline=1.0), []
+    try:
+        lease = etcd_client.grant_lease(2)
+        etcd_client.put(f"{etcd_prefix}/leased", "x", lease=lease)
+        keep.add(lease, 0.5, ended.append)
+        time.sleep(3)  # longer than the TTL
+        assert etcd_client.get(f"{etcd_prefix}/leased") is not None and ended == []
+        etcd_client.revoke_lease(lease)  # someone else ended it
+        wait_for(lambda: ended == [lease], 10, what="the ended lease to be reported")
+    finally:
+        keep.close()
+
+
+class Silence:
+    """A TCP proxy in front of etcd that, once muted, forwards requests but no replies and keeps the
+    connection open: a member that stopped answering without the network saying so."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.muted = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket, replies: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if not (replies and self.muted.is_set()):
+                    target.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._sockets:
+            sock.close()
+
+
+def test_keep_alive_moves_to_another_member_when_its_member_stops_answering(etcd_endpoint, etcd_prefix):
+    proxy = Silence(parse_endpoints(etcd_endpoint)[0])
+    client = EtcdClient(f"127.0.0.1:{proxy.port},{etcd_endpoint}", timeout=5)  # the silent one first
+    keep = LeaseKeepAlive(client, deadline=1.0)
+    try:
+        lease = client.grant_lease(3)
+        client.put(f"{etcd_prefix}/leased", "x", lease=lease)
+        keep.add(lease, 0.5)
+        time.sleep(1)
+        proxy.muted.set()
+        time.sleep(6)  # two TTLs: renewals on the silent member alone would have let it expire
+        with EtcdClient(etcd_endpoint, timeout=5) as direct:
+            assert direct.get(f"{etcd_prefix}/leased") is not None
+            assert direct.lease_ttl(lease) > 0
+    finally:
+        keep.close()
+        client.close()
+        proxy.close()

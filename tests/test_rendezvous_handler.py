@@ -1,0 +1,260 @@
+"""The per-node etcd rendezvous handler against a real etcd: rounds, ranks, leaving, dying,
+joining, spares, closing, timeouts, idle cost, outages.
+
+Handlers run in threads of this process, each with its own etcd client, as torchrun's agents
+would on separate nodes. Liveness is shortened (lease TTL 2 s, last call 1 s) to keep the tests
+quick; no test asserts a duration.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+from elastic_ddp.etcd_server import EtcdServer
+from elastic_ddp.rendezvous import plugin
+from elastic_ddp.rendezvous.client import EtcdClient, Range
+from elastic_ddp.rendezvous.handler import ENV_RDZV_ROUND, EtcdRendezvousHandler
+from elastic_ddp.rendezvous.rounds import LAST_CALL, RoundRecord, node_key
+from elastic_ddp.rendezvous.view import RunKeys
+from tests.helpers.nodes import wait_for
+
+FAST = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "30"}
+
+
+@pytest.fixture
+def run(etcd_endpoint, etcd_prefix, monkeypatch):
+    """A factory of handlers of one fresh run; every handler leaves at the end of the test."""
+    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    made: list[EtcdRendezvousHandler] = []
+
+    def make(min_nodes: int, max_nodes: int, addr: str, endpoint: str = etcd_endpoint, **conf) -> EtcdRendezvousHandler:
+        params = RendezvousParameters(
+            backend="etcd-v3", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes,
+            local_addr=addr, key_prefix=etcd_prefix, **{**FAST, **conf},
+        )  # fmt: skip
+        made.append(plugin.create_rdzv_handler(params))
+        return made[-1]
+
+    make.keys = RunKeys(etcd_prefix, run_id)
+    try:
+        yield make
+    finally:
+        for handler in made:
+            handler.leave()
+
+
+class Joining:
+    """``next_rendezvous()`` of one handler in a thread."""
+
+    def __init__(self, handler: EtcdRendezvousHandler) -> None:
+        self.handler = handler
+        self.info: RendezvousInfo | None = None
+        self.error: BaseException | None = None
+        self.round: str | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.info = self.handler.next_rendezvous()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            self.error = exc
+
+    def result(self, timeout: float = 60) -> RendezvousInfo:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.handler.node} is still joining"
+        if self.error is not None:
+            raise self.error
+        return self.info
+
+
+def join_all(*handlers: EtcdRendezvousHandler) -> list[RendezvousInfo]:
+    joins = [Joining(h) for h in handlers]
+    return [j.result() for j in joins]
+
+
+def record(client: EtcdClient, keys: RunKeys) -> RoundRecord | None:
+    kv = client.get(keys.round)
+    return None if kv is None else RoundRecord.decode(kv.value, "round", kv.mod_revision)
+
+
+def ranks(infos: list[RendezvousInfo]) -> list[tuple[int, int]]:
+    return [(i.rank, i.world_size) for i in infos]
+
+
+def test_nodes_form_one_round_ranked_in_torchs_node_order_and_export_the_round(run, monkeypatch):
+    monkeypatch.delenv(ENV_RDZV_ROUND, raising=False)
+    handlers = [run(3, 3, addr) for addr in ("10.0.0.3", "10.0.0.1", "10.0.0.2")]
+    infos = join_all(*handlers)
+    assert ranks(infos) == [(2, 3), (0, 3), (1, 3)]  # torch sorts nodes by address, then pid, then counter
+    first = int(__import__("os").environ[ENV_RDZV_ROUND])
+    assert first > 0
+    # The rank-0 node published MASTER_ADDR/PORT for its workers in the round's store.
+    assert {i.bootstrap_store_info.master_addr for i in infos} == {"10.0.0.1"}
+    # A new round: ranks stay where they were, the round number grows.
+    assert ranks(join_all(*handlers)) == [(2, 3), (0, 3), (1, 3)]
+    assert int(__import__("os").environ[ENV_RDZV_ROUND]) > first
+
+
+def test_the_last_call_admits_a_node_that_arrives_within_it(run, etcd_client):
+    first = Joining(run(1, 3, "10.0.0.1", last_call_timeout="3"))
+    wait_for(lambda: getattr(record(etcd_client, run.keys), "state", None) == LAST_CALL, 30, what="the last call")
+    second = Joining(run(1, 3, "10.0.0.2", last_call_timeout="3"))
+    assert ranks([first.result(), second.result()]) == [(0, 2), (1, 2)]
+
+
+def test_a_member_that_leaves_is_a_membership_change_answered_without_etcd(run, monkeypatch):
+    a, b = run(1, 3, "10.0.0.1"), run(1, 3, "10.0.0.2")
+    join_all(a, b)
+    assert a.num_nodes_waiting() == 0
+    b.leave()  # what the atexit hook does when a preempted agent exits
+
+    def no_requests(*args, **kwargs):
+        raise AssertionError("num_nodes_waiting() made an etcd request")
+
+    wait_for(lambda: a.num_nodes_waiting() == 1, 30, what="the departure to be seen")
+    with monkeypatch.context() as patched:
+        patched.setattr(a._client, "_call", no_requests)
+        assert a.num_nodes_waiting() == 1  # from watched state only
+    assert ranks(join_all(a)) == [(0, 1)]
+
+
+def test_a_node_that_dies_is_gone_for_the_others_when_its_lease_expires(run):
+    a, b = run(1, 3, "10.0.0.1"), run(1, 3, "10.0.0.2")
+    join_all(a, b)
+    # b's process freezes or dies: nothing renews its lease, nothing revokes it.
+    b._keep_alive.close()
+    b._stream.close()
+    wait_for(lambda: a.num_nodes_waiting() == 1, 30, what="the lease of the dead node to expire")
+    assert ranks(join_all(a)) == [(0, 1)]
+
+
+def test_a_newcomer_does_not_form_a_round_alone_while_the_group_stops_to_admit_it(run):
+    a, b = run(1, 3, "10.0.0.1"), run(1, 3, "10.0.0.2")
+    join_all(a, b)
+    c = Joining(run(1, 3, "10.0.0.3"))
+    wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 30, what="the newcomer to be seen")
+    # Two last calls later the newcomer is still waiting for the group (it has the minimum alone).
+    c.thread.join(2.5)
+    assert c.thread.is_alive() and c.error is None
+    infos = join_all(a, b)
+    assert ranks([*infos, c.result()]) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_a_full_round_keeps_a_spare_which_takes_part_when_a_member_leaves(run):
+    a, b = run(1, 2, "10.0.0.1"), run(1, 2, "10.0.0.2")
+    join_all(a, b)
+    spare = Joining(run(1, 2, "10.0.0.3"))
+    spare.thread.join(2.5)
+    assert spare.thread.is_alive() and spare.error is None
+    assert a.num_nodes_waiting() == 0  # a spare is no reason to restart a full group
+    b.leave()
+    wait_for(lambda: a.num_nodes_waiting() >= 1, 30, what="the departure to be seen")
+    assert ranks([*join_all(a), spare.result()]) == [(0, 2), (1, 2)]
+
+
+def test_shutdown_closes_the_rendezvous_and_takes_the_nodes_registration_with_it(run, etcd_client):
+    a, b = run(1, 2, "10.0.0.1"), run(1, 2, "10.0.0.2")
+    join_all(a, b)
+    spare = Joining(run(1, 2, "10.0.0.3"))
+    spare.thread.join(2.5)
+    assert spare.thread.is_alive() and spare.error is None
+    assert a.shutdown() is True
+    assert b.is_closed() and b.num_nodes_waiting() == 0
+    with pytest.raises(RendezvousClosedError):
+        b.next_rendezvous()
+    with pytest.raises(RendezvousGracefulExitError):
+        spare.result()
+    keys = [kv.key for kv in etcd_client.get_prefix(run.keys.base)]
+    assert not any(b"10.0.0.1" in key for key in keys)  # a's registration went with its lease
+    round_kv = etcd_client.get(run.keys.round)
+    assert 0 < etcd_client.lease_ttl(round_kv.lease) <= plugin.DEFAULT_RUN_TTL  # the record expires too
+
+
+def test_the_join_timeout_fails_the_join_and_withdraws_the_registration(run, etcd_client):
+    lonely = run(2, 2, "10.0.0.1", join_timeout="2")
+    with pytest.raises(RendezvousTimeoutError, match=r"join timeout \(2 s\)"):
+        lonely.next_rendezvous()
+    assert etcd_client.range(Range.prefix(run.keys.base + "joins/", count_only=True)).count == 0
+
+
+def test_a_completed_round_writes_nothing_while_its_nodes_stay_alive(run, tmp_path):
+    with EtcdServer(tmp_path / "etcd") as own, EtcdClient(own.endpoint) as client:  # no other writer
+        handlers = [run(3, 3, f"10.0.0.{i}", endpoint=own.endpoint) for i in range(3)]
+        join_all(*handlers)
+        before = client.range(Range(run.keys.round)).revision
+        stop = threading.Event()
+        # Three lease TTLs of an agent's monitor loop: every node renewed its lease meanwhile.
+        for _ in range(60):
+            assert [h.num_nodes_waiting() for h in handlers] == [0, 0, 0]
+            stop.wait(0.1)
+        assert client.range(Range(run.keys.round)).revision == before  # not one write
+        assert all(client.lease_ttl(h._lease) > 0 for h in handlers)
+        for handler in handlers:
+            handler.leave()
+
+
+def test_round_numbers_keep_growing_when_a_runs_keys_were_deleted(run, etcd_client):
+    join_all(run(1, 1, "10.0.0.1"))
+    first = record(etcd_client, run.keys).round
+    etcd_client.delete_prefix(run.keys.base)  # as if the run's lease had expired
+    join_all(run(1, 1, "10.0.0.2"))
+    assert record(etcd_client, run.keys).round > first
+
+
+def test_a_corrupt_round_record_is_reported_naming_the_key(run, etcd_client):
+    etcd_client.put(run.keys.round, b"garbage")
+    with pytest.raises(RendezvousStateError, match="round.*is corrupt"):
+        run(1, 1, "10.0.0.1").next_rendezvous()
+
+
+def test_registrations_beyond_max_nodes_are_spares_and_their_leaving_changes_nothing(run, etcd_client):
+    a = Joining(run(2, 2, "10.0.0.2"))
+    wait_for(lambda: etcd_client.range(Range.prefix(run.keys.base + "joins/", count_only=True)).count == 1, 30,
+             what="the first registration")  # fmt: skip
+    # Another registration slips in before the round completes; it sorts before the late node's.
+    round_ = record(etcd_client, run.keys).round
+    lease = etcd_client.grant_lease(30)
+    etcd_client.put(run.keys.join(round_, node_key("10.0.0.25", 1, 0)), "early", lease=lease)
+    late = run(2, 2, "10.0.0.3")
+    b = Joining(late)  # the third registration for a round of at most 2: it completes the round
+    assert ranks([a.result()]) == [(0, 2)]
+    assert b.thread.is_alive(), "the third registration by key order must wait as a spare"
+    late.leave()  # a spare leaving is no membership change
+    with pytest.raises(RendezvousClosedError, match="has left"):
+        b.result()
+    a.handler._view.wait(a.handler._view.snapshot().version, 1.0)
+    assert a.handler.num_nodes_waiting() == 0
+    etcd_client.revoke_lease(lease)  # a member leaving is one
+    wait_for(lambda: a.handler.num_nodes_waiting() == 1, 30, what="the member's departure")
+
+
+def test_membership_survives_an_etcd_outage_longer_than_the_lease(run, tmp_path):
+    with EtcdServer(tmp_path / "etcd") as own:
+        a, b = run(1, 2, "10.0.0.1", endpoint=own.endpoint), run(1, 2, "10.0.0.2", endpoint=own.endpoint)
+        join_all(a, b)
+        own.stop()
+        stop = threading.Event()
+        for _ in range(30):  # 3 s: longer than the lease TTL (2 s) without a single renewal
+            assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
+            stop.wait(0.1)
+        own.start()
+        # etcd gives every lease its full TTL when it is back; the nodes renew within a period.
+        for _ in range(30):
+            assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
+            stop.wait(0.1)
+        with EtcdClient(own.endpoint) as client:
+            assert client.range(Range.prefix(run.keys.base + "joins/", count_only=True)).count == 2
+        a.leave(), b.leave()
