@@ -12,16 +12,16 @@ from dataclasses import dataclass
 
 import fsspec
 import torch
+import torch.nn.functional as F
 
-from elastic_ddp.config import ModelConfig
-from elastic_ddp.model import ByteGPT, per_sample_loss
+from elastic_ddp.lm import ByteGPT, ByteGPTConfig
 
 
 @dataclass
 class TrainState:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    cfg: ModelConfig
+    cfg: ByteGPTConfig
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the model and optimizer state (what any checkpoint has to write)."""
@@ -45,38 +45,39 @@ class TrainState:
 
     def step(self) -> float:
         """One optimizer step on a tiny batch; returns the loss (the "first step" after a load)."""
-        x = torch.randint(0, 256, (2, 8))
-        loss = per_sample_loss(self.model(x), x).mean()
+        x = torch.randint(0, 256, (2, 8), device=next(self.model.parameters()).device)
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), x.flatten())
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach().item()
 
 
-def model_config(megabytes: float) -> ModelConfig:
+def model_config(megabytes: float) -> ByteGPTConfig:
     """A ByteGPT shape whose parameters plus AdamW's two moments take about ``megabytes``."""
     # AdamW keeps two fp32 moments per fp32 parameter: 12 bytes per parameter in all.
     params = megabytes * (1 << 20) / 12
     width = 1024 if megabytes >= 100 else 128
     layers = max(1, round(params / (12 * width * width)))
-    return ModelConfig(n_layer=layers, n_embd=width, n_head=8, block_size=64)
+    return ByteGPTConfig(n_layer=layers, n_embd=width, n_head=8, block_size=64)
 
 
-def build_state(megabytes: float, seed: int = 0) -> TrainState:
-    """A model and an optimizer that has taken one step (so its moments exist)."""
+def build_state(megabytes: float, seed: int = 0, device: str | torch.device = "cpu") -> TrainState:
+    """A model (on ``device``) and an optimizer that has taken one step (so its moments exist)."""
     torch.manual_seed(seed)
     cfg = model_config(megabytes)
-    model = ByteGPT(cfg)
+    model = ByteGPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = TrainState(model, optimizer, cfg)
     state.step()
     return state
 
 
-def fresh_like(state: TrainState, seed: int = 1) -> TrainState:
+def fresh_like(state: TrainState, seed: int = 1, device: str | torch.device = "cpu") -> TrainState:
     """A new model + optimizer of the same shape with other weights, to load a checkpoint into."""
     torch.manual_seed(seed)
-    model = ByteGPT(state.cfg)
+    model = ByteGPT(state.cfg).to(device)
     return TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-4), state.cfg)
 
 

@@ -44,6 +44,7 @@ def test_disk_full_save_fails_cleanly_keeps_committed_and_recovers(small_disk, a
     mgr.save(2, {"model": ModelState(model), "optim": OptimizerState(model, opt)})
     assert not mgr.wait()
     assert mgr.failed_saves == 1 and "step-000000002" in mgr.last_error
+    assert f"the disk holding {small_disk / 'ck'} is full" in mgr.last_error, mgr.last_error
     assert [i.step for i in mgr.list()] == [1]
     assert mgr.latest().step == 1
     assert not (small_disk / "ck" / "step-000000002" / "manifest.json").exists()

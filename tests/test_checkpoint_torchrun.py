@@ -1,9 +1,10 @@
-"""Multi-rank saves under real torchrun (gloo, CPU): sharding, resharding on resume, kill -9 mid-save."""
+"""Multi-rank saves under real torchrun (gloo, CPU): shares, resharding on resume, read-once, kill -9 mid-save."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,35 +76,54 @@ def load_in_process_and_compare(url: str, dump: str) -> None:
     model, opt = ckpt_worker.build()
     mgr = CheckpointManager(CheckpointConfig(url=url), identity=IDENTITY)
     progress = ckpt_worker.Progress()
-    mgr.load(mgr.resolve("auto"), ckpt_worker.objects(model, opt, progress))
-    expected = torch.load(dump, weights_only=True)
+    info = mgr.resolve("auto")
+    mgr.load(info, ckpt_worker.objects(model, opt, progress))
+    expected = torch.load(dump, weights_only=True)[info.step]
     for key, value in expected["model"].items():
         assert torch.equal(model.state_dict()[key], value), key
     assert progress.world != 1
 
 
-def data_file_ranks(ckpt_dir: Path) -> set[int]:
-    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
-    return {int(name.split("_")[2]) for name in manifest["files"] if name.endswith(".distcp")}
+def writers_of_data(ckpt_dir: Path) -> set[int]:
+    """Ranks that wrote pieces of the replicated state (from the checkpoint's index)."""
+    index = json.loads((ckpt_dir / "index.json").read_text())
+    return {f["writer"] for f in index["files"] if f["pieces"]}
 
 
-def test_save_at_4_ranks_writes_from_several_ranks_and_resumes_at_2_and_1(tmp_path) -> None:
+def test_save_at_4_ranks_stages_shares_and_resumes_at_2_reading_once_then_falls_back_past_a_bad_byte(tmp_path) -> None:
     url, dump = str(tmp_path / "ck"), str(tmp_path / "expected.pt")
-    check(torchrun(4, "save", "--url", url, "--steps", "3", "--save-at", "2", "3", "--dump", dump))
+    out = check(torchrun(4, "save", "--url", url, "--steps", "3", "--save-at", "2", "3", "--dump", dump))
     manifest = json.loads((tmp_path / "ck" / "step-000000003" / "manifest.json").read_text())
     assert manifest["world_size"] == 4
-    assert len(data_file_ranks(tmp_path / "ck" / "step-000000003")) > 1  # DCP spread the replicated writes
+    assert writers_of_data(tmp_path / "ck" / "step-000000003") == {0, 1, 2, 3}
+    staged = [(int(m[1]), int(m[2])) for m in re.finditer(r"rank \d staged (\d+) of (\d+) replicated bytes", out)]
+    assert len(staged) == 4, out[-3000:]
+    for share, total in staged:  # each rank copied its quarter of the replicated state, not a replica
+        assert 0 < share <= 1.2 * total / 4, (share, total)
+
     out = check(torchrun(2, "load", "--url", url, "--dump", dump))
-    assert out.count("resumed step 3 saved at world size 4: OK") == 2
+    assert out.count("resumed step 3 saved at world size 4: OK (own state restored: False") == 2, out[-3000:]
+    read = sum(int(m[1]) for m in re.finditer(r"read (\d+) bytes", out))
+    assert read == manifest["bytes"]  # every byte of the checkpoint read once, by one rank or the other
     load_in_process_and_compare(url, dump)
 
+    shard = next(p for p in sorted((tmp_path / "ck" / "step-000000003").glob("shard-00002-*.bin")) if p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    out = check(torchrun(2, "load", "--url", url, "--dump", dump))
+    assert out.count("resumed step 2 saved at world size 4: OK") == 2, out[-3000:]
+    assert out.count(f"Skipping checkpoint {url}/step-000000003: file {shard.name!r} failed verification") == 2
 
-def test_save_at_2_ranks_resumes_at_3(tmp_path) -> None:
+
+def test_save_at_2_ranks_resumes_at_3_and_at_2_with_each_ranks_own_state(tmp_path) -> None:
     url, dump = str(tmp_path / "ck"), str(tmp_path / "expected.pt")
     check(torchrun(2, "save", "--url", url, "--steps", "2", "--save-at", "2", "--dump", dump))
-    assert data_file_ranks(tmp_path / "ck" / "step-000000002") == {0, 1}
+    assert writers_of_data(tmp_path / "ck" / "step-000000002") == {0, 1}
     out = check(torchrun(3, "load", "--url", url, "--dump", dump))
-    assert out.count("resumed step 2 saved at world size 2: OK") == 3
+    assert out.count("resumed step 2 saved at world size 2: OK (own state restored: False") == 3, out[-3000:]
+    out = check(torchrun(2, "load", "--url", url, "--dump", dump))
+    assert out.count("resumed step 2 saved at world size 2: OK (own state restored: True") == 2, out[-3000:]
 
 
 @pytest.mark.parametrize("point", ["before_write:1", "mid_write:1", "after_write:0", "before_manifest:0"])

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import uuid
 
 import pytest
@@ -18,10 +19,11 @@ from elastic_ddp.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     CheckpointManager,
+    StaleWriterError,
     retention_plan,
 )
 from elastic_ddp.checkpoint import cli as ckpt_cli
-from elastic_ddp.checkpoint.dcp_io import HostStager
+from elastic_ddp.checkpoint.staging import ShareStager
 from elastic_ddp.config import CheckpointConfig
 from elastic_ddp.state import ModelState, OptimizerState, RNGState
 from tests.helpers.nodes import wait_for
@@ -153,15 +155,23 @@ def test_async_save_writes_the_values_of_its_step_while_training_mutates_them(me
     assert mgr.last_save.stall_s < mgr.last_save.save_s
 
 
-def test_host_stager_copies_and_reuses_its_buffers() -> None:
-    stager = HostStager()
-    t = torch.ones(4)
-    first = stager.stage({"a": t, "b": [t, 3]})
-    assert first["a"].data_ptr() != t.data_ptr() and first["b"][1] == 3
-    t.add_(1)
-    assert torch.equal(first["a"], torch.ones(4))
-    second = stager.stage({"a": t, "b": [t, 3]})
-    assert second["a"].data_ptr() == first["a"].data_ptr() and torch.equal(second["a"], t)
+def test_stager_copies_only_the_given_ranges_reuses_its_buffers_and_aliases_for_a_blocking_cpu_save() -> None:
+    stager = ShareStager()
+    a, b = torch.arange(10, dtype=torch.float32), torch.ones(3, dtype=torch.int64)
+    sources = {"f0": [(a, 2, 6), (b, 0, 3)]}
+    first = stager.stage(sources, copy=True)
+    assert first.staged_bytes == 4 * 4 + 3 * 8 == stager.held_bytes
+    (buffer,) = first.files["f0"]
+    assert bytes(buffer) == a[2:6].numpy().tobytes() + b.numpy().tobytes()
+    a.add_(100)  # training mutates the tensor: the staged copy keeps the saved values
+    assert bytes(buffer)[:16] == torch.arange(2, 6, dtype=torch.float32).numpy().tobytes()
+    second = stager.stage(sources, copy=True)
+    assert second.files["f0"][0].obj.ctypes.data == buffer.obj.ctypes.data  # the same host buffer, refilled
+    assert bytes(second.files["f0"][0])[:16] == a[2:6].numpy().tobytes()
+    in_place = stager.stage(sources, copy=False)
+    assert in_place.staged_bytes == 0
+    a[3] = -1.0  # a blocking save writes the tensors themselves: no copy was made
+    assert bytes(in_place.files["f0"][0]) == a[2:6].numpy().tobytes()
 
 
 def test_manifest_records_step_world_size_time_versions_identity_and_checksums(tmp_path) -> None:
@@ -186,8 +196,8 @@ def test_interrupted_save_is_never_listed_and_older_leftovers_are_cleaned(tmp_pa
     for step in (2, 99):  # leftovers: one older than the next save, one newer (maybe being written)
         leftover = tmp_path / f"step-{step:09d}"
         leftover.mkdir()
-        (leftover / "__0_0.distcp").write_bytes(b"partial")
-        (leftover / ".metadata").write_bytes(b"partial")
+        (leftover / "shard-00000-00.bin").write_bytes(b"partial")
+        (leftover / "index.json").write_bytes(b"partial")
     assert [i.step for i in mgr.list()] == [1]
     assert mgr.latest().step == 1
     save_steps(mgr, model, opt, [3])
@@ -248,7 +258,7 @@ def test_damaged_shard_fails_verify_and_latest_falls_back_with_a_warning(tmp_pat
     model, opt = tiny()
     mgr = manager(str(tmp_path))
     snaps = save_steps(mgr, model, opt, [1, 2])
-    shard = tmp_path / "step-000000002" / "__0_0.distcp"
+    shard = tmp_path / "step-000000002" / "shard-00000-00.bin"
     data = bytearray(shard.read_bytes())
     if damage == "flip_byte":
         data[len(data) // 2] ^= 0x01
@@ -257,11 +267,11 @@ def test_damaged_shard_fails_verify_and_latest_falls_back_with_a_warning(tmp_pat
     shard.write_bytes(bytes(data))
 
     assert ckpt_cli.main(["ckpt", "verify", str(tmp_path / "step-000000002")]) == 1
-    assert "__0_0.distcp" in capsys.readouterr().err
+    assert "shard-00000-00.bin" in capsys.readouterr().err
     with caplog.at_level(logging.WARNING, logger="elastic_ddp.checkpoint"):
         info = mgr.latest()
     assert info.step == 1
-    assert "step-000000002" in caplog.text and "__0_0.distcp" in caplog.text
+    assert "step-000000002" in caplog.text and "shard-00000-00.bin" in caplog.text
     fresh_model, fresh_opt = tiny(seed=5)
     mgr.load(info, objects(fresh_model, fresh_opt))
     assert_same(fresh_model, fresh_opt, snaps[1])
@@ -271,36 +281,39 @@ def test_damaged_shard_fails_verify_and_latest_falls_back_with_a_warning(tmp_pat
     assert mgr.latest().step == 2
 
 
-def _tamper_metadata(ckpt_dir, marker: str, *, rewrite_manifest: bool) -> None:
+def _plant(ckpt_dir, name: str, marker: str, *, rewrite_manifest: bool) -> bytes:
+    """Replace file ``name`` with a code-running pickle; optionally fix the manifest's checksums."""
     payload = pickle.dumps(Evil(marker))
-    (ckpt_dir / ".metadata").write_bytes(payload)
+    (ckpt_dir / name).write_bytes(payload)
     if rewrite_manifest:
         # An attacker who can write the bucket also fixes up the checksums, but cannot sign.
         import hashlib
 
         manifest = json.loads((ckpt_dir / "manifest.json").read_text())
-        manifest["files"][".metadata"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+        manifest["files"][name] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
         manifest.pop("signature", None)
         (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))
+    return payload
 
 
-def test_tampered_metadata_is_refused_before_anything_is_unpickled(tmp_path) -> None:
+@pytest.mark.parametrize("name", ["index.json", "shard-00000-00.bin"])
+@pytest.mark.parametrize("rewrite_manifest", [False, True])
+def test_a_planted_pickle_is_refused_and_never_unpickled(tmp_path, name: str, rewrite_manifest: bool) -> None:
     marker = str(tmp_path / "pwned")
     root = tmp_path / "ckpts"
     model, opt = tiny()
     mgr = manager(str(root))
     save_steps(mgr, model, opt, [1, 2])
-    _tamper_metadata(root / "step-000000002", marker, rewrite_manifest=False)
+    payload = _plant(root / "step-000000002", name, marker, rewrite_manifest=rewrite_manifest)
 
     assert mgr.latest().step == 1
     tampered = mgr.list()[-1]
-    with pytest.raises(CheckpointError, match=r"\.metadata"):
+    with pytest.raises(CheckpointError, match=re.escape(name) if not rewrite_manifest else "index.json"):
         mgr.load(tampered, objects(model, opt))
-    assert ckpt_cli.main(["ckpt", "verify", tampered.url]) == 1
     assert ckpt_cli.main(["ckpt", "export", tampered.url, str(tmp_path / "out.pt")]) == 1
     assert not os.path.exists(marker)
     # The payload is live: unpickling it really would have run code.
-    pickle.loads((root / "step-000000002" / ".metadata").read_bytes())
+    pickle.loads(payload)
     assert os.path.exists(marker)
 
 
@@ -319,7 +332,7 @@ def test_signed_manifest_refuses_unsigned_and_re_checksummed_checkpoints(tmp_pat
         manifest_bytes = (root / "step-000000003" / "manifest.json").read_bytes()
         assert b"hmac-sha256" in manifest_bytes and key.encode() not in manifest_bytes
 
-        _tamper_metadata(root / "step-000000003", marker, rewrite_manifest=True)
+        _plant(root / "step-000000003", "index.json", marker, rewrite_manifest=True)
         assert mgr.latest().step == 2
         with pytest.raises(CheckpointError, match="not signed"):
             mgr.load(mgr.list()[-1], objects(model, opt))
@@ -379,13 +392,13 @@ def test_a_group_fenced_by_a_newer_round_neither_clears_nor_commits(tmp_path, mo
     current = manager(str(root), rdzv_round=4)
     in_flight = root / "step-000000002"
     in_flight.mkdir()
-    (in_flight / "__0_0.distcp").write_bytes(b"the new group's save in progress")
+    (in_flight / "shard-00000-00.bin").write_bytes(b"the new group's save in progress")
 
     train(model, opt)
     stale.save(2, objects(model, opt))
     assert not stale.wait()
     assert "stale writer" in stale.last_error and "round 4" in stale.last_error
-    assert (in_flight / "__0_0.distcp").read_bytes() == b"the new group's save in progress"
+    assert (in_flight / "shard-00000-00.bin").read_bytes() == b"the new group's save in progress"
     assert [c.step for c in current.list()] == [1]
 
     save_steps(current, model, opt, [2])
@@ -398,7 +411,7 @@ def test_a_writer_held_before_its_commit_while_a_newer_group_claims_the_run_does
     stale = manager(str(root), rdzv_round=0)
     monkeypatch.setenv(ENV_FAULT_POINT, f"before_manifest:0:wait={release}")
     stale.save(5, objects(model, opt))  # async: held in the background before the manifest
-    wait_for(lambda: (root / "step-000000005" / ".metadata").exists(), 30, what="the shards of step 5")
+    wait_for(lambda: (root / "step-000000005" / "index.json").exists(), 30, what="the files of step 5")
     manager(str(root), rdzv_round=1)
     release.touch()
     assert not stale.wait()
@@ -412,3 +425,79 @@ def test_without_a_rendezvous_round_nothing_is_fenced(tmp_path) -> None:
     save_steps(manager(str(root)), model, opt, [1])
     assert not (root / FENCE_NAME).exists()
     assert "rdzv_round" not in manager(str(root)).list()[0].manifest
+
+
+def test_a_stale_group_whose_save_fails_leaves_the_new_groups_directory_alone(tmp_path, monkeypatch) -> None:
+    root, release = tmp_path / "ckpts", tmp_path / "release"
+    model, opt = tiny()
+    stale = manager(str(root), rdzv_round=0)
+    cleared = root / "step-000000005"
+    cleared.mkdir()
+    monkeypatch.setenv(ENV_FAULT_POINT, f"before_write:0:wait={release}")
+    stale.save(5, objects(model, opt))  # async: clears the directory, then is held before writing
+    wait_for(lambda: not cleared.exists(), 30, what="the stale group's preflight")
+    # Meanwhile the job re-formed without it; the new group is saving the same step. Its file is
+    # where the stale writer will try to write, so the stale save fails (not on the fence).
+    manager(str(root), rdzv_round=1)
+    (cleared / "shard-00000-00.bin").mkdir(parents=True)
+    (cleared / "the-new-groups-data").write_bytes(b"in flight")
+    release.touch()
+    assert not stale.wait()
+    assert "shard-00000-00.bin" in stale.last_error
+    assert (cleared / "the-new-groups-data").read_bytes() == b"in flight"
+
+
+def test_a_stale_group_that_commits_before_a_takeover_skips_retention_and_the_leftover_sweep(tmp_path, monkeypatch) -> None:
+    root, release = tmp_path / "ckpts", tmp_path / "release"
+    model, opt = tiny()
+    stale = manager(str(root), rdzv_round=0, keep_last=1)
+    save_steps(stale, model, opt, [1])
+    monkeypatch.setenv(ENV_FAULT_POINT, f"after_manifest:0:wait={release}")
+    stale.save(5, objects(model, opt))  # committed, then held before its clean-up
+    wait_for(lambda: (root / "step-000000005" / "manifest.json").exists(), 30, what="the commit of step 5")
+    manager(str(root), rdzv_round=1)  # the new group resumed from step 1 and is saving step 2
+    in_flight = root / "step-000000002"
+    in_flight.mkdir()
+    (in_flight / "shard-00000-00.bin").write_bytes(b"in flight")
+    release.touch()
+    assert stale.wait()
+    assert (in_flight / "shard-00000-00.bin").read_bytes() == b"in flight"
+    assert [c.step for c in stale.list()] == [1, 5]  # keep_last=1 would have deleted step 1
+
+
+def test_state_a_checkpoint_cannot_hold_is_refused_at_save_naming_where_it_is(mem_url: str) -> None:
+    model, opt = tiny()
+    mgr = manager(mem_url)
+    with pytest.raises(TypeError, match=r"'extra\.when'.*datetime"):
+        import datetime
+
+        mgr.save(1, objects(model, opt, extra=Box(when=datetime.date(2026, 1, 1))), blocking=True)
+    assert mgr.list() == []
+
+
+def test_loading_into_a_model_of_another_shape_names_the_tensor_and_both_shapes(mem_url: str) -> None:
+    model, opt = tiny(width=8)
+    save_steps(manager(mem_url), model, opt, [1])
+    other, other_opt = tiny(width=16)
+    mgr = manager(mem_url)
+    with pytest.raises(CheckpointError, match=r"'model\.0\.weight' is torch\.float32 of shape \[8, 8\] in the checkpoint but torch\.float32 of shape \[16, 16\] here"):
+        mgr.load(mgr.latest(), objects(other, other_opt))
+
+
+def test_remove_all_deletes_every_checkpoint_and_a_fenced_group_is_refused(tmp_path) -> None:
+    root = tmp_path / "ckpts"
+    model, opt = tiny()
+    old = manager(str(root), rdzv_round=2)
+    save_steps(old, model, opt, [1, 2])
+    assert [c.step for c in old.list_collective()] == [1, 2]
+
+    current = manager(str(root), rdzv_round=3)  # a newer group claims the run
+    with pytest.raises(StaleWriterError, match="round 3"):
+        old.remove_all()
+    assert [c.step for c in current.list_collective()] == [1, 2]
+
+    current.remove_all()
+    assert current.list_collective() == [] and current.latest() is None
+    assert not list(root.glob("step-*"))
+    save_steps(current, model, opt, [1])
+    assert [c.step for c in current.list()] == [1]

@@ -2,11 +2,11 @@
 
 A job signs its checkpoints with ``ELASTIC_DDP_CHECKPOINT_KEY`` on a real S3 API (moto). An
 attacker who can write the bucket but does not hold the key then replaces the newest
-checkpoint's ``.metadata`` (which DCP reads with ``pickle.load``) with a pickle that creates a
-marker file when unpickled, and rewrites the manifest's size and SHA-256 for it so that the
-checksums match again; the signature, which they cannot recompute, stays as it was. Restarted
-under torchrun, the job must skip that checkpoint with a warning naming it, resume from the one
-before, and never run the payload, which the test finally shows to be live.
+checkpoint's ``index.json`` (the first file a resume parses) with a pickle that creates a marker
+file when unpickled, and rewrites the manifest's size and SHA-256 for it so that the checksums
+match again; the signature, which they cannot recompute, stays as it was. Restarted under
+torchrun, the job must skip that checkpoint with a warning naming it, resume from the one before,
+and never run the payload, which the test finally shows to be live.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ class Evil:
         return (open, (self.marker, "w"))
 
 
-def _plant_metadata(fs, ckpt: str, marker: str) -> bytes:
-    """Replace ``ckpt``'s ``.metadata`` with a code-running pickle and fix the manifest's checksums."""
+def _plant_index(fs, ckpt: str, marker: str) -> bytes:
+    """Replace ``ckpt``'s ``index.json`` with a code-running pickle and fix the manifest's checksums."""
     payload = pickle.dumps(Evil(marker))
-    with fs.open(f"{ckpt}/.metadata", "wb") as file:
+    with fs.open(f"{ckpt}/index.json", "wb") as file:
         file.write(payload)
     manifest = json.loads(fs.cat_file(f"{ckpt}/manifest.json"))
-    manifest["files"][".metadata"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    manifest["files"]["index.json"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     manifest["bytes"] = sum(rec["size"] for rec in manifest["files"].values())
     with fs.open(f"{ckpt}/manifest.json", "wb") as file:
         file.write(json.dumps(manifest).encode())
@@ -68,7 +68,7 @@ def test_a_re_checksummed_checkpoint_with_a_planted_pickle_is_skipped_and_never_
     assert [n for n in names if n.startswith("step-")] == ["step-000000002", "step-000000004"], names
     tampered = f"{s3_url}/step-000000004"
     signature = json.loads(fs.cat_file(f"{bucket_path}/step-000000004/manifest.json"))["signature"]
-    payload = _plant_metadata(fs, f"{bucket_path}/step-000000004", str(marker))
+    payload = _plant_index(fs, f"{bucket_path}/step-000000004", str(marker))
     manifest = json.loads(fs.cat_file(f"{bucket_path}/step-000000004/manifest.json"))
     assert manifest["signature"] == signature  # kept: the attacker cannot sign
 
@@ -86,7 +86,7 @@ def test_a_re_checksummed_checkpoint_with_a_planted_pickle_is_skipped_and_never_
     assert not marker.exists(), "the planted pickle was unpickled"
 
     # The payload is live: unpickling what the attacker planted really runs code.
-    assert fs.cat_file(f"{bucket_path}/step-000000004/.metadata") == payload
+    assert fs.cat_file(f"{bucket_path}/step-000000004/index.json") == payload
     pickle.loads(payload)
     assert marker.exists()
     os.remove(marker)

@@ -10,7 +10,7 @@ failure record, torchrun's error file and a resume.
 Then every byte the job produced is searched for every secret: both agents' output, every file
 under the job's root (TensorBoard event files raw *and* decoded, the ledger, ``failures.jsonl``,
 ``progress.json``, torchrun's per-worker logs and error files), every object under the
-checkpoint prefix (manifests, ``.metadata``, shards), and every etcd key and value under the
+checkpoint prefix (manifests, ``index.json``, shards), and every etcd key and value under the
 run's prefix. A secret counts as found raw, base64 (standard or URL-safe, at any byte
 alignment), percent-encoded or hex. The test first shows that the search finds planted secrets,
 and checks that it looked at the files that would hold a leak, so it cannot pass by looking at
@@ -23,6 +23,7 @@ import base64
 import binascii
 import json
 import os
+import re
 import secrets
 import urllib.parse
 from dataclasses import dataclass
@@ -237,7 +238,8 @@ def test_a_job_with_known_secrets_writes_none_of_them_anywhere(secure_etcd, pki,
     for key, blob in objects.items():
         search.search(f"s3://{BUCKET}/{key}", blob)
     kinds = {key.rsplit("/", 1)[-1] for key in objects}
-    assert {"manifest.json", ".metadata"} <= kinds and any(k.endswith(".distcp") for k in kinds), sorted(kinds)
+    shards = [k for k in kinds if re.fullmatch(r"shard-\d{5}-\d{2}\.bin", k)]
+    assert {"manifest.json", "index.json"} <= kinds and shards, sorted(kinds)
     manifests = [json.loads(blob) for key, blob in objects.items() if key.endswith("/manifest.json")]
     assert len(manifests) >= 2 and all(m["signature"]["algorithm"] == "hmac-sha256" for m in manifests)
 

@@ -11,22 +11,22 @@ Remote URLs use the standard AWS configuration (environment, profile, ``AWS_ENDP
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import sys
-import warnings
 from typing import Any
 
 import torch
 
-from elastic_ddp.checkpoint.dcp_io import DCP_ERRORS, describe_error, load_model_only
-from elastic_ddp.checkpoint.manager import (
-    CheckpointError,
-    list_checkpoints,
-    read_checkpoint,
-    verify_checkpoint,
-)
+from elastic_ddp.checkpoint.errors import CheckpointError
+from elastic_ddp.checkpoint.catalog import list_checkpoints, read_checkpoint, read_index, verify_checkpoint
+from elastic_ddp.checkpoint.sharded import read_state
 from elastic_ddp.checkpoint.storage import Storage, StorageError, normalize_url
+from elastic_ddp.checkpoint.tree import TreeError
+
+# The state a training run registers its model under; export writes it as plain weights.
+MODEL_STATE = "model"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p_verify.set_defaults(func=cmd_verify)
 
     p_export = sub.add_parser(
-        "export", help="Write a verified checkpoint's model weights as one plain torch.save file."
+        "export", help="Write a verified checkpoint's model weights (the state named 'model') as one plain torch.save file."
     )
     p_export.add_argument("checkpoint_url", help="A checkpoint directory.")
     p_export.add_argument("out", help="Output file (local path); torch.load(OUT, weights_only=True) reads it.")
@@ -104,12 +104,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         return opened
     storage, info = opened
     try:
-        with warnings.catch_warnings():
-            # DCP warns whenever it runs without a process group, which is this command's normal mode.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            weights = load_model_only(info.url, storage.storage_options, info.manifest["files"])
-    except DCP_ERRORS as exc:  # DCP raises its own (BaseException) type; report, do not trace
-        print(f"error: reading the model from {info.url} failed: {describe_error(exc)}", file=sys.stderr)
+        index = read_index(storage, info)
+        if MODEL_STATE not in index.state:
+            print(f"error: {info.url} holds no state named {MODEL_STATE!r} (it holds {sorted(index.state)}).", file=sys.stderr)
+            return 1
+        # Only the files holding the model's pieces are read (each checked as it streams in).
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            weights = read_state(storage, info.url, index, info.manifest["files"], [MODEL_STATE], pool)[MODEL_STATE]
+    except (CheckpointError, StorageError, TreeError) as exc:
+        print(f"error: reading the model from {info.url} failed: {exc}", file=sys.stderr)
         return 1
     torch.save(weights, args.out)
     print(f"Wrote {len(weights)} tensors of step {info.step} to {args.out}.")

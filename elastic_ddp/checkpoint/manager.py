@@ -3,26 +3,32 @@
 Layout under ``cfg.url``::
 
     step-000000100/            one directory per checkpoint
-        __0_0.distcp ...       DCP shards, written in parallel by several ranks
-        .metadata              DCP's index (a pickle: never read before it is verified)
-        manifest.json          the commit point: written last, by rank 0, once every shard is durable
+        shard-00000-00.bin     raw tensor bytes: rank 0's first share of the replicated state
+        shard-00001-00.bin ... each rank writes ~1/N of it (and its own per-rank state)
+        index.json             which bytes of which tensor are where, plus the plain values (JSON)
+        manifest.json          the commit point: written last, by rank 0, once every file is durable
 
 Contracts:
 
 * What is saved is a mapping of names to stateful objects (``state_dict()``/``load_state_dict()``,
   see :mod:`elastic_ddp.state`) that hold the same values on every rank -- DDP's replicated model,
   optimizer, scheduler, data cursor -- plus, optionally, per-rank objects whose values differ by
-  rank (random generators). Replicated state is written once in total (each rank writes a share);
-  per-rank state by each rank for itself, and restored only at the same world size.
+  rank (random generators). Replicated state is staged and written once in total: each rank copies
+  and writes only its share (:mod:`~elastic_ddp.checkpoint.layout`). Per-rank state is written by
+  each rank for itself, and restored only at the same world size.
+* A resume reads every byte of the checkpoint once in total: each rank reads a share of the files,
+  checking their SHA-256 as they stream in (:meth:`latest` and :meth:`resolve` do this; the bytes
+  are kept for :meth:`load`), and :meth:`load` hands the state to every rank over the process group
+  (NCCL on GPUs, gloo on CPUs). Nothing of a checkpoint reaches a state object before every file
+  it is made of checked out, and nothing is ever unpickled.
 * Every rank of the process group constructs the manager, and calls :meth:`save`, :meth:`latest`,
-  :meth:`resolve`, :meth:`load`, :meth:`wait` and :meth:`close` in the same order with the same
-  arguments (step): they are collective on the checkpoint's own gloo group. Without an initialized
+  :meth:`resolve`, :meth:`load`, :meth:`wait`, :meth:`check_shared_storage` and :meth:`close` in
+  the same order with the same arguments (step): they are collective. Without an initialized
   process group the manager works alone (world size 1): the CLI and unit tests.
 * The manager records the run's *identity* (the settings a resume must not change) in every
   manifest; deciding whether a checkpoint may be resumed is the caller's.
-* Only directories with a parseable manifest are checkpoints. A checkpoint is loaded only after
-  each of its files matched the manifest's size and SHA-256 (and, with
-  ``ELASTIC_DDP_CHECKPOINT_KEY`` set, after the manifest's signature checked out).
+* Only directories with a parseable manifest are checkpoints. With ``ELASTIC_DDP_CHECKPOINT_KEY``
+  set, only those whose manifest's signature checks out.
 * A failed save never raises into the training loop: it is logged, counted in ``failed_saves`` and
   described in ``last_error``; nothing that looks committed is left behind.
 """
@@ -33,48 +39,65 @@ import concurrent.futures
 import importlib.metadata
 import json
 import logging
-import re
 import time
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from elastic_ddp.checkpoint import fence
+from elastic_ddp.checkpoint import fence, probe
+from elastic_ddp.checkpoint import index as ix
 from elastic_ddp.checkpoint import manifest as mf
-from elastic_ddp.checkpoint.dcp_io import (
-    DCP_ERRORS,
-    METADATA_NAME,
-    HashingWriter,
-    HostStager,
-    VerifiedReader,
-    describe_error,
-    fault_point,
+from elastic_ddp.checkpoint.catalog import (
+    STEP_DIR_RE,
+    CheckpointInfo,
+    list_checkpoints,
+    read_checkpoint,
+    read_index,
+    retention_plan,
+    step_dir_name,
+    verify_checkpoint,
 )
+from elastic_ddp.checkpoint.collectives import Collectives, global_rank
+from elastic_ddp.checkpoint.errors import CheckpointError, CheckpointVerificationError, describe_error
+from elastic_ddp.checkpoint.exchange import Transport, distribute
+from elastic_ddp.checkpoint.faults import fault_point
+from elastic_ddp.checkpoint.layout import assign_holders
+from elastic_ddp.checkpoint.sharded import (
+    ShardWriter,
+    Snapshot,
+    WriteJob,
+    destinations,
+    files_to_read,
+    read_files,
+    restore_rank_state,
+    restore_tree,
+    snapshot,
+    write_files,
+)
+from elastic_ddp.checkpoint.staging import ShareStager, Staged
 from elastic_ddp.checkpoint.storage import Storage, StorageError, join, normalize_url
+from elastic_ddp.checkpoint.tree import TreeError
 from elastic_ddp.config import CheckpointConfig
-from elastic_ddp.state import RESERVED_PREFIX, Stateful, check_stateful
+from elastic_ddp.state import Stateful, check_stateful
 
 log = logging.getLogger("elastic_ddp.checkpoint")
 
-STEP_DIR_RE = re.compile(r"^step-(\d{9,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be found, verified or used. The message names it and says why."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def _rank_key(rank: int) -> str:
-    return f"{RESERVED_PREFIX}{rank}"
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "LoadStats",
+    "SaveStats",
+    "list_checkpoints",
+    "read_checkpoint",
+    "retention_plan",
+    "step_dir_name",
+    "verify_checkpoint",
+]
 
 
 def _state_dicts(state: Mapping[str, Stateful]) -> dict[str, Any]:
@@ -86,58 +109,14 @@ def _state_dicts(state: Mapping[str, Stateful]) -> dict[str, Any]:
     return out
 
 
-def _saved_names(reader: VerifiedReader) -> set[str]:
-    """Top-level state names stored in a checkpoint (from its verified DCP metadata)."""
-    return {fqn.split(".", 1)[0] for fqn in reader.read_metadata().state_dict_metadata}
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint as its manifest describes it."""
-
-    step: int
-    url: str
-    world_size: int
-    bytes: int
-    time: float
-    identity_digest: str
-    identity: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    manifest: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @classmethod
-    def from_manifest(cls, url: str, manifest: dict[str, Any]) -> CheckpointInfo:
-        return cls(
-            step=manifest["step"],
-            url=url,
-            world_size=manifest["world_size"],
-            bytes=int(manifest.get("bytes", 0)),
-            time=float(manifest.get("time", 0.0)),
-            identity_digest=manifest["identity_digest"],
-            identity=dict(manifest["identity"]),
-            manifest=manifest,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "url": self.url,
-            "world_size": self.world_size,
-            "bytes": self.bytes,
-            "time": self.time,
-            "identity_digest": self.identity_digest,
-            "identity": self.identity,
-            "versions": self.manifest.get("versions", {}),
-            "signed": "signature" in self.manifest,
-            "rdzv_round": self.manifest.get("rdzv_round"),
-        }
-
-
 @dataclass(frozen=True)
 class SaveStats:
     """Numbers of the last completed save, for metrics.
 
     ``stall_s``: how long ``save()`` blocked the training step; ``save_s``: from ``save()`` to the
-    commit; ``bytes``: size of all the checkpoint's files; ``throughput_bytes_per_s``: bytes / save_s.
+    commit; ``bytes``: size of all the checkpoint's files; ``throughput_bytes_per_s``: bytes / save_s;
+    ``staged_bytes``: host memory this rank copied the state into (0 for a blocking save of CPU
+    tensors, which writes them in place); ``written_bytes``: bytes this rank wrote.
     """
 
     step: int
@@ -145,6 +124,58 @@ class SaveStats:
     save_s: float
     bytes: int
     throughput_bytes_per_s: float
+    staged_bytes: int = 0
+    written_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """Numbers of the last load on this rank: ``bytes_read`` from storage (its share of the files,
+    plus ``index.json`` on rank 0), ``read_s`` reading and verifying them, ``exchange_s`` handing the
+    state to every rank, ``bytes_received`` over the process group (or copied locally)."""
+
+    step: int
+    bytes_read: int
+    read_s: float
+    exchange_s: float
+    bytes_received: int
+
+
+@dataclass
+class _Save:
+    """One save on its way: what this rank writes, and (on rank 0) what the index needs."""
+
+    step: int
+    url: str
+    snap: Snapshot
+    job: WriteJob
+    staged: Staged
+    start: float
+    stall_s: float | None
+
+
+@dataclass
+class _Report:
+    """What a rank tells rank 0 after writing its files."""
+
+    rank: int
+    files: list[mf.FileRecord]
+    rank_file: str | None
+    rank_entry: ix.RankState | None
+    digest: str
+    error: str | None = None
+
+
+@dataclass
+class _Held:
+    """A checkpoint read and verified by :meth:`CheckpointManager.latest`/``resolve``, kept for ``load``."""
+
+    key: tuple[str, str]
+    index: ix.Index
+    holders: dict[str, int]
+    buffers: dict[str, torch.Tensor]
+    bytes_read: int
+    read_s: float
 
 
 def _versions() -> dict[str, str]:
@@ -155,77 +186,18 @@ def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "elastic_ddp": ours}
 
 
-def read_checkpoint(storage: Storage, ckpt_url: str) -> CheckpointInfo:
-    """The checkpoint at ``ckpt_url`` from its manifest. Raises CheckpointError if it has none or a bad one."""
-    where = f"{ckpt_url}/{mf.MANIFEST_NAME}"
-    try:
-        data = storage.read_bytes(join(ckpt_url, mf.MANIFEST_NAME))
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{ckpt_url!r} is not a committed checkpoint: it has no {mf.MANIFEST_NAME}."
-        ) from None
-    try:
-        manifest = mf.parse(data, where)
-    except mf.ManifestError as exc:
-        raise CheckpointError(str(exc)) from None
-    return CheckpointInfo.from_manifest(ckpt_url, manifest)
-
-
-def list_checkpoints(storage: Storage) -> list[CheckpointInfo]:
-    """Committed checkpoints under ``storage.url``, oldest first. Unreadable manifests are skipped with a warning."""
-    out = []
-    for name in storage.list_dirs(storage.url):
-        if not STEP_DIR_RE.match(name):
-            continue
-        ckpt_url = join(storage.url, name)
-        if not storage.exists(join(ckpt_url, mf.MANIFEST_NAME)):
-            continue  # an interrupted or in-progress save: never a checkpoint
-        try:
-            out.append(read_checkpoint(storage, ckpt_url))
-        except CheckpointError as exc:
-            log.warning("Skipping %s: %s", ckpt_url, exc)
-    return sorted(out, key=lambda info: info.step)
-
-
-def verify_checkpoint(storage: Storage, info: CheckpointInfo, names: list[str] | None = None) -> mf.VerifyResult:
-    """Signature (when a key is set) and then files ``names`` (default all) against the manifest."""
-    try:
-        mf.check_signature(info.manifest, mf.signing_key(), f"{info.url}/{mf.MANIFEST_NAME}")
-    except mf.ManifestError as exc:
-        return mf.VerifyResult(False, mf.MANIFEST_NAME, str(exc))
-    if METADATA_NAME not in info.manifest["files"]:
-        return mf.VerifyResult(False, METADATA_NAME, "the manifest does not list it")
-    try:
-        return mf.verify_files(storage, info.url, info.manifest, names)
-    except StorageError as exc:
-        return mf.VerifyResult(False, "", f"reading failed: {exc}")
-
-
-def retention_plan(
-    steps: list[int], *, keep_last: int, keep_every: int | None, protected: set[int]
-) -> tuple[list[int], str]:
-    """Which committed steps to delete, and why: a pure function, no I/O.
-
-    Keeps the newest ``keep_last``, every multiple of ``keep_every`` and the ``protected`` steps.
-    """
-    ordered = sorted(steps)
-    keep = set(ordered[-keep_last:]) | protected
-    if keep_every:
-        keep |= {s for s in ordered if s % keep_every == 0}
-    delete = [s for s in ordered if s not in keep]
-    why = f"keep_last={keep_last}, keep_every={keep_every}, protected={sorted(protected)}: deleting {delete}"
-    return delete, why
-
-
 class CheckpointManager:
     """Saves, lists, verifies, selects and loads checkpoints of one run (see the module docstring).
 
     ``identity`` (JSON-able values by setting name, e.g. ``{"train.seed": 1337}``) is recorded in
     every manifest (see :attr:`CheckpointInfo.identity`). ``process_group``: the group whose ranks
     share the checkpoint (default: the world); the manager creates a gloo group of its own over those
-    ranks, collectively. ``rdzv_round``: the rendezvous round this worker group was formed in; when
-    given, rank 0 claims the URL for this round and refuses to commit once a newer group claimed it
-    (see :mod:`elastic_ddp.checkpoint.fence`). None: no fencing (a job without this package's rendezvous).
+    ranks, collectively, for its saves, and restores over ``process_group`` itself. ``rdzv_round``:
+    the rendezvous round this worker group was formed in; when given, rank 0 claims the URL for this
+    round and refuses to commit or clean up once a newer group claimed it (see
+    :mod:`elastic_ddp.checkpoint.fence`). None: no fencing (a job without this package's rendezvous).
+    ``check_storage``: with more than one rank, run :meth:`check_shared_storage` at once, so a URL
+    that is not shared by all nodes stops the job before it trains.
     """
 
     def __init__(
@@ -235,6 +207,7 @@ class CheckpointManager:
         identity: Mapping[str, Any] | None = None,
         process_group: Any = None,
         rdzv_round: int | None = None,
+        check_storage: bool = True,
     ) -> None:
         if not cfg.url:
             raise ValueError("checkpoint.url must not be empty when a CheckpointManager is built.")
@@ -243,6 +216,7 @@ class CheckpointManager:
         self.storage = Storage(self.url, cfg.storage_options)
         self.identity = dict(identity or {})
         self._distributed = dist.is_available() and dist.is_initialized()
+        self._group = process_group
         self._pg: Any = None
         if self._distributed:
             self.rank = dist.get_rank(process_group)
@@ -253,21 +227,28 @@ class CheckpointManager:
             self._pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
         else:
             self.rank, self.world_size = 0, 1
+        self._coll = Collectives(self._pg, self.rank, self.world_size, distributed=self._distributed, url=self.url)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.write_threads, thread_name_prefix="ckpt-io")
         self._pending: concurrent.futures.Future[bool] | None = None
-        self._stager = HostStager()
+        self._writer = ShardWriter(files_per_writer=cfg.write_threads, min_file_bytes=int(cfg.min_file_mb * (1 << 20)))
+        self._stager = ShareStager()
+        self._held: _Held | None = None
         self._resumed_step: int | None = None
-        self._verified: set[tuple[str, str]] = set()
         self._failed_verification: set[str] = set()
         self.failed_saves = 0
         self.consecutive_failed_saves = 0
         self.last_error: str | None = None
         self.last_save: SaveStats | None = None
+        self.last_load: LoadStats | None = None
         self._last_ok = True
         self._closed = False
         self.rdzv_round = rdzv_round
-        if rdzv_round is not None and self.rank == 0:
-            fence.claim(self.storage, rdzv_round)
+        self._storage_shared = False
+        if rdzv_round is not None:
+            self._coll.broadcast(fence.claim, self.storage, rdzv_round)
+        if check_storage and self.world_size > 1:
+            self.check_shared_storage()
 
     # ----------------------------------------------------------------------------------- saving
 
@@ -282,11 +263,12 @@ class CheckpointManager:
         """Checkpoint ``state`` (replicated: the same values on every rank) and ``rank_state``
         (this rank's own values) as step ``step``.
 
-        ``blocking`` None follows ``cfg.async_save``. An async save returns once the state is copied
-        to host memory; the write and commit run in the background. A previous save still in flight is
-        waited for first. Failures do not raise: they are logged, counted in ``failed_saves`` (and
-        ``consecutive_failed_saves``) and described in ``last_error``. Returns False if a blocking save
-        failed.
+        ``blocking`` None follows ``cfg.async_save``. An async save returns once this rank's share is
+        copied to host memory (on GPUs: once the copies are queued); the write and commit run in the
+        background. A previous save still in flight is waited for first. Failures do not raise: they
+        are logged, counted in ``failed_saves`` (and ``consecutive_failed_saves``) and described in
+        ``last_error``. Returns False if a blocking save failed. Raises ``TypeError`` at once for
+        state a checkpoint cannot hold (naming where it is).
         """
         if self._closed:
             raise RuntimeError("This CheckpointManager is closed; no more saves can be started.")
@@ -294,15 +276,19 @@ class CheckpointManager:
             raise ValueError(f"The checkpoint step ({step}) must not be negative.")
         blocking = (not self.cfg.async_save) if blocking is None else blocking
         self.wait()
+        self._held = None  # training goes on: a checkpoint read for a resume is no longer needed
         start = time.perf_counter()
-        snapshot = _state_dicts(state)
-        if rank_state:
-            snapshot[_rank_key(self.rank)] = _state_dicts(rank_state)
+        try:
+            snap = snapshot(_state_dicts(state), _state_dicts(rank_state) if rank_state else None)
+        except TreeError as exc:
+            raise TypeError(str(exc)) from None
+        job = self._writer.prepare(snap, rank=self.rank, writers=range(self.world_size))
+        staged = self._stager.stage(job.sources, copy=not blocking)
+        ckpt_url = join(self.url, step_dir_name(step))
         if blocking:
-            return self._save_now(step, snapshot, start, stall_s=None)
-        staged = self._stager.stage(snapshot)
+            return self._save_now(_Save(step, ckpt_url, snap, job, staged, start, None))
         stall = time.perf_counter() - start
-        self._pending = self._executor.submit(self._save_now, step, staged, start, stall)
+        self._pending = self._executor.submit(self._save_now, _Save(step, ckpt_url, snap, job, staged, start, stall))
         return True
 
     def wait(self) -> bool:
@@ -313,75 +299,81 @@ class CheckpointManager:
         return self._last_ok
 
     def close(self) -> bool:
-        """Finish the pending save and release the background thread; True unless that save failed."""
+        """Finish the pending save and release the threads and buffers; True unless that save failed."""
         if self._closed:
             return True
         ok = self.wait()
         self._executor.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self._stager.release()
+        self._held = None
         self._closed = True
         if not ok:
             log.error("[%d/-] The last checkpoint save failed: %s", self.rank, self.last_error)
         return ok
 
-    def _save_now(self, step: int, state: dict[str, Any], start: float, stall_s: float | None) -> bool:
-        ckpt_url = join(self.url, step_dir_name(step))
+    def _save_now(self, save: _Save) -> bool:
         try:
-            nbytes = self._write_and_commit(step, ckpt_url, state)
-        except DCP_ERRORS as exc:  # a failed save must never take training down; it is surfaced instead
+            nbytes, written = self._write_and_commit(save)
+        except Exception as exc:  # a failed save must never take training down; it is surfaced instead
             self.failed_saves += 1
             self.consecutive_failed_saves += 1
-            self.last_error = f"The checkpoint of step {step} at {ckpt_url!r} failed: {describe_error(exc)}"
-            log.error("[%d/%d] %s", self.rank, step, self.last_error)
+            self.last_error = f"The checkpoint of step {save.step} at {save.url!r} failed: {describe_error(exc, self.url)}"
+            log.error("[%d/%d] %s", self.rank, save.step, self.last_error)
             # A fenced group leaves the directory alone: the group that owns the run may be writing it.
             if self.rank == 0 and not isinstance(exc, fence.StaleWriterError):
-                self._remove_uncommitted(ckpt_url, step)
+                self._remove_uncommitted(save.url, save.step)
             self._last_ok = False
             return False
         self._last_ok = True
         self.consecutive_failed_saves = 0
         if nbytes is None:
             return True  # already committed by an earlier save of the same step
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - save.start
         self.last_save = SaveStats(
-            step=step,
-            stall_s=elapsed if stall_s is None else stall_s,
+            step=save.step,
+            stall_s=elapsed if save.stall_s is None else save.stall_s,
             save_s=elapsed,
             bytes=nbytes,
             throughput_bytes_per_s=nbytes / elapsed if elapsed > 0 else 0.0,
+            staged_bytes=save.staged.staged_bytes,
+            written_bytes=written,
         )
         log.info(
             "[%d/%d] Checkpoint committed at %s: %d bytes in %.2f s (training stalled %.3f s).",
-            self.rank, step, ckpt_url, nbytes, elapsed, self.last_save.stall_s,
+            self.rank, save.step, save.url, nbytes, elapsed, self.last_save.stall_s,
         )
         if self.rank == 0:
-            self._after_commit(step)
+            self._after_commit(save.step)
         return True
 
-    def _write_and_commit(self, step: int, ckpt_url: str, state: dict[str, Any]) -> int | None:
+    def _write_and_commit(self, save: _Save) -> tuple[int | None, int]:
         # 1. Rank 0 decides whether to write, and clears a leftover of an interrupted save at this step.
-        decision = self._broadcast(self._preflight, ckpt_url)
+        decision = self._coll.broadcast(self._preflight, save.url)
         if decision == "committed":
-            log.warning("[%d/%d] %s is already committed; not saving it again.", self.rank, step, ckpt_url)
-            return None
+            log.warning("[%d/%d] %s is already committed; not saving it again.", self.rank, save.step, save.url)
+            return None, 0
         fault_point("before_write", self.rank)
-        # 2. DCP writes the shards in parallel; it propagates any rank's failure to every rank.
-        writer = HashingWriter(
-            ckpt_url,
-            self.cfg.storage_options,
-            rank=self.rank,
-            sync_files=self.storage.is_local,
-            threads=self.cfg.write_threads,
-        )
-        dcp.save(state, storage_writer=writer, process_group=self._pg)
+        # 2. Every rank writes its own files, hashing them on the way; failures go into the report.
+        report = self._write_files(save)
         fault_point("after_write", self.rank)
-        # 3. Each rank reports its files; rank 0 commits only if every report is complete.
-        report = self._local_report(ckpt_url, writer.records)
-        reports = self._all_gather(report)
-        # 4. Rank 0 writes the manifest (the commit point) and tells everyone how it went.
-        outcome = self._broadcast(self._commit, step, ckpt_url, reports)
+        # 3. Rank 0 collects the reports (O(N) in all, not an all-gather), writes index.json and the
+        #    manifest (the commit point) if every report is complete, and tells everyone how it went.
+        reports = self._coll.gather(report)
+        outcome = self._coll.broadcast(self._commit, save, reports)
         if isinstance(outcome, str):
             raise CheckpointError(outcome)
-        return int(outcome)
+        return int(outcome), sum(f.size for f in report.files)
+
+    def _write_files(self, save: _Save) -> _Report:
+        report = _Report(self.rank, [], save.job.rank_file, save.job.rank_entry, save.snap.digest)
+        try:
+            report.files = write_files(
+                self.storage, save.url, save.staged, self._io, sync=self.storage.is_local, rank=self.rank
+            )
+        except Exception as exc:  # reported to rank 0, which then refuses to commit
+            report.error = f"rank {self.rank}: {describe_error(exc, self.url)}"
+        return report
 
     def _check_fence(self, action: str) -> None:
         if self.rdzv_round is None:
@@ -408,43 +400,58 @@ class CheckpointManager:
         self.storage.remove_tree(ckpt_url)
         return "write"
 
-    def _local_report(self, ckpt_url: str, records: dict[str, tuple[int, str] | None]) -> Any:
-        try:
-            files = []
-            for name, rec in sorted(records.items()):
-                if rec is None:  # the stream was seeked: hash what actually landed
-                    with self.storage.open_read(join(ckpt_url, name)) as stream:
-                        rec = mf.hash_stream(stream)
-                files.append(mf.FileRecord(name, rec[0], rec[1]))
-            return files
-        except Exception as exc:  # reported to rank 0, which then refuses to commit
-            return f"rank {self.rank} could not account for its files: {exc}"
-
-    def _commit(self, step: int, ckpt_url: str, reports: list[Any]) -> int | str:
-        errors = [r for r in reports if isinstance(r, str)]
+    def _commit(self, save: _Save, reports: list[_Report]) -> int | str:
+        errors = [r.error for r in reports if r.error]
         if errors:
             return "; ".join(errors)
-        files = [rec for report in reports for rec in report]
-        names = [f.name for f in files]
-        if METADATA_NAME not in names or len(set(names)) != len(names):
-            return f"the ranks' file reports are inconsistent ({sorted(names)})."
+        differ = [r.rank for r in reports if r.digest != save.snap.digest]
+        if differ:
+            return (
+                f"ranks {differ} hold replicated state whose names, dtypes or shapes differ from rank 0's; every "
+                "rank must save the same state (per-rank values belong in rank_state)."
+            )
+        rank_states = {r.rank: (r.rank_file, r.rank_entry) for r in reports if r.rank_entry is not None}
+        index = ix.build(save.snap.specs, save.snap.state, save.job.layout.files, rank_states)
+        written = {f.name: f for r in reports for f in r.files}
+        expected = {f.name: f.size for f in index.files}
+        if {name: f.size for name, f in written.items()} != expected:
+            return f"the ranks' file reports {sorted(written)} do not match the planned files {sorted(expected)}."
+        data = index.to_bytes()
+        self.storage.write_bytes_atomic(join(save.url, ix.INDEX_NAME), data)
         manifest = mf.build(
-            step=step,
+            step=save.step,
             world_size=self.world_size,
             time_s=time.time(),
             versions=_versions(),
             identity=self.identity,
-            files=files,
+            files=[*written.values(), mf.FileRecord(ix.INDEX_NAME, len(data), mf.hash_bytes(data))],
             rdzv_round=self.rdzv_round,
         )
+        # index.json was renamed into place and its directory fsync'd after every data file was
+        # created and fsync'd, so every file of the checkpoint is durable before the manifest exists.
         fault_point("before_manifest", self.rank)
-        self._check_fence(f"commit {ckpt_url}")
-        data = json.dumps(manifest, sort_keys=True, indent=1).encode()
-        self.storage.write_bytes_atomic(join(ckpt_url, mf.MANIFEST_NAME), data)
+        self._check_fence(f"commit {save.url}")
+        self.storage.write_bytes_atomic(
+            join(save.url, mf.MANIFEST_NAME), json.dumps(manifest, sort_keys=True, indent=1).encode()
+        )
+        fault_point("after_manifest", self.rank)
         return manifest["bytes"]
+
+    def _owns_run(self, action: str, step: int) -> bool:
+        """Whether this group may still clean up (the fence names its round); logs why not."""
+        try:
+            self._check_fence(action)
+        except fence.StaleWriterError:
+            return False
+        except StorageError as exc:  # the fence is unreadable: deleting nothing is the safe choice
+            log.warning("[%d/%d] Not cleaning up: the fence could not be read: %s", self.rank, step, exc)
+            return False
+        return True
 
     def _remove_uncommitted(self, ckpt_url: str, step: int) -> None:
         try:
+            if not self._owns_run(f"remove the uncommitted {ckpt_url}", step):
+                return
             if not self.storage.exists(join(ckpt_url, mf.MANIFEST_NAME)):
                 self.storage.remove_tree(ckpt_url)
         except Exception as exc:  # storage may be what failed; the directory has no manifest, so it is inert
@@ -453,6 +460,8 @@ class CheckpointManager:
     def _after_commit(self, step: int) -> None:
         """Rank 0, after a commit: retention, then leftovers of interrupted saves older than ``step``."""
         try:
+            if not self._owns_run(f"apply retention and remove leftovers under {self.url}", step):
+                return
             committed = list_checkpoints(self.storage)
             protected = {self._resumed_step} if self._resumed_step is not None and self._resumed_step > step else set()
             protected.add(step)
@@ -480,6 +489,20 @@ class CheckpointManager:
         except Exception as exc:  # the new checkpoint is committed; cleanup can be retried next time
             log.warning("[%d/%d] Checkpoint cleanup failed (will retry after the next save): %s", self.rank, step, exc)
 
+    # ------------------------------------------------------------------------- shared storage
+
+    def check_shared_storage(self, *, reader: bool | None = None) -> None:
+        """Prove that every node sees the same checkpoint storage (collective; see
+        :mod:`elastic_ddp.checkpoint.probe`). Raises :class:`CheckpointError` on every rank, naming
+        ``cfg.url`` and the ranks that could not read rank 0's probe, when ``checkpoint.url`` is not
+        storage shared by all nodes. ``reader``: whether this rank reads the probe (default: one
+        rank per node, from ``LOCAL_RANK``). Once it passed, later calls return at once (every rank
+        knows it passed, so they all skip alike)."""
+        if self._storage_shared:
+            return
+        probe.check_shared_storage(self.storage, self._coll, reader=reader)
+        self._storage_shared = True
+
     # --------------------------------------------------------------------------------- selection
 
     def list(self) -> list[CheckpointInfo]:
@@ -487,70 +510,41 @@ class CheckpointManager:
         return list_checkpoints(self.storage)
 
     def list_collective(self) -> list[CheckpointInfo]:
-        """:meth:`list` read once by rank 0 and given to every rank (collective)."""
+        """:meth:`list` read once by rank 0 and given to every rank (collective).
+
+        Raises :class:`CheckpointError` on every rank when listing fails.
+        """
         self.wait()
-        committed = self._broadcast(self.list, raise_errors=False)
+        committed = self._coll.broadcast(self.list, raise_errors=False)
         if isinstance(committed, Exception):
             raise CheckpointError(f"Listing checkpoints under {self.url!r} failed: {committed}") from committed
         return committed
 
     def remove_all(self) -> None:
-        """Delete every checkpoint under the URL, manifests first (collective; rank 0 deletes).
+        """Delete every committed checkpoint under the URL, each manifest first (collective; rank 0 deletes).
 
-        For a new run that is told to replace an old one; refused (:class:`~elastic_ddp.checkpoint.fence.
-        StaleWriterError`) when a newer group owns the URL.
+        For a new run told to replace an old one. Refused on every rank
+        (:class:`~elastic_ddp.checkpoint.fence.StaleWriterError`) when a newer group owns the URL;
+        a storage failure raises :class:`CheckpointError` on every rank.
         """
         self.wait()
+        self._held = None
 
         def remove() -> None:
             self._check_fence(f"delete the checkpoints under {self.url}")
             for info in self.list():
+                # Manifest first: a half-deleted checkpoint is then merely an uncommitted leftover.
                 self.storage.remove_file(join(info.url, mf.MANIFEST_NAME))
                 self.storage.remove_tree(info.url)
 
-        self._broadcast(remove)
-
-    def check_shared_storage(self) -> None:
-        """Prove that every rank sees the same checkpoint storage (collective).
-
-        Rank 0 writes a probe file with a random token under the URL; every rank reads it back. A
-        rank that cannot -- its node has its own disk behind a local path -- would write shards no
-        other node can read, and the checkpoints would never verify: raise :class:`CheckpointError`
-        on every rank, naming the URL and those ranks, before any training.
-        """
-
-        def write() -> tuple[str, str]:
-            token = uuid.uuid4().hex
-            probe = join(self.url, f".probe-{token}")
-            self.storage.makedirs(self.url)
-            self.storage.write_bytes_atomic(probe, token.encode())
-            return probe, token
-
-        path, token = self._broadcast(write)
-        try:
-            seen = self.storage.read_bytes(path).decode() == token
-        except (OSError, ValueError):
-            seen = False
-        blind = [rank for rank, ok in enumerate(self._all_gather(seen)) if not ok]
-        if self.rank == 0:
-            try:
-                self.storage.remove_file(path)
-            except StorageError as exc:  # a leftover probe is harmless; say so and go on
-                log.warning("[0/-] Could not remove the storage probe %s: %s", path, exc)
-        if blind:
-            raise CheckpointError(
-                f"checkpoint.url ({self.url}) is not storage shared by all nodes: rank(s) {blind} cannot read a "
-                "file rank 0 wrote there (a local path on machines with their own disks?). Checkpoints would be "
-                "split over the nodes and never resume. Set checkpoint.url to storage every node shares: an "
-                "object store (s3://...) or a shared filesystem."
-            )
+        self._coll.broadcast(remove)
 
     def verify(self, info: CheckpointInfo) -> mf.VerifyResult:
         """Check every file of ``info`` on this process alone (not collective)."""
-        return verify_checkpoint(self.storage, info)
+        return verify_checkpoint(self._storage_for(info.url), info)
 
     def metrics(self) -> dict[str, float]:
-        """Scalars for the metrics writer: the last completed save's figures and the failure count."""
+        """Scalars for the metrics writer: the last completed save's and load's figures and the failure count."""
         scalars = {"ckpt/failed_saves": float(self.failed_saves)}
         if self.last_save is not None:
             scalars.update({
@@ -558,24 +552,33 @@ class CheckpointManager:
                 "ckpt/save_s": self.last_save.save_s,
                 "ckpt/bytes": float(self.last_save.bytes),
                 "ckpt/throughput_bytes_per_s": self.last_save.throughput_bytes_per_s,
+                "ckpt/staged_bytes": float(self.last_save.staged_bytes),
+            })  # fmt: skip
+        if self.last_load is not None:
+            scalars.update({
+                "ckpt/load_read_s": self.last_load.read_s,
+                "ckpt/load_exchange_s": self.last_load.exchange_s,
+                "ckpt/load_bytes_read": float(self.last_load.bytes_read),
             })  # fmt: skip
         return scalars
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint that verifies (collective); older ones are tried in turn."""
-        self.wait()
-        committed = self._broadcast(self.list, raise_errors=False)
-        if isinstance(committed, Exception):
-            raise CheckpointError(f"Listing checkpoints under {self.url!r} failed: {committed}") from committed
-        for info in reversed(committed):
-            result = self._verify_collective(info)
-            if result.ok:
+        """The newest committed checkpoint that verifies (collective); older ones are tried in turn.
+
+        Verifying is reading: each rank reads its share of the files, checking them as they stream
+        in, and keeps the bytes for :meth:`load` (about ``checkpoint size / ranks`` of host memory per
+        rank until then), so the checkpoint is read once in total.
+        """
+        for info in reversed(self.list_collective()):
+            try:
+                self._hold(info)
                 return info
-            self._failed_verification.add(info.url)
-            log.warning(
-                "[%d/-] Skipping checkpoint %s: file %r failed verification (%s); trying the previous one.",
-                self.rank, info.url, result.bad_file, result.reason,
-            )
+            except CheckpointVerificationError as exc:
+                self._failed_verification.add(info.url)
+                log.warning(
+                    "[%d/-] Skipping checkpoint %s: file %r failed verification (%s); trying the previous one.",
+                    self.rank, info.url, exc.bad_file, exc.reason,
+                )
         return None
 
     def resolve(self, resume: str) -> CheckpointInfo | None:
@@ -589,36 +592,53 @@ class CheckpointManager:
         if resume == "never":
             return None
         if resume == "auto":
-            info = self.latest()
-        else:
-            if resume.isdigit():
-                ckpt_url = join(self.url, step_dir_name(int(resume)))
-            else:
-                ckpt_url = normalize_url(resume)
-            storage = self.storage if ckpt_url.startswith(self.url) else Storage(ckpt_url, self.cfg.storage_options)
-            self.wait()
-            info = self._broadcast(read_checkpoint, storage, ckpt_url, raise_errors=False)
-            if isinstance(info, Exception):
-                raise CheckpointError(f"checkpoint.resume={resume!r}: {info}")
-            result = self._verify_collective(info, storage)
-            if not result.ok:
-                raise CheckpointError(
-                    f"checkpoint.resume={resume!r}: file {result.bad_file!r} of {ckpt_url!r} failed "
-                    f"verification ({result.reason})."
-                )
+            return self.latest()
+        ckpt_url = join(self.url, step_dir_name(int(resume))) if resume.isdigit() else normalize_url(resume)
+        self.wait()
+        info = self._coll.broadcast(read_checkpoint, self._storage_for(ckpt_url), ckpt_url, raise_errors=False)
+        if isinstance(info, Exception):
+            raise CheckpointError(f"checkpoint.resume={resume!r}: {info}")
+        try:
+            self._hold(info)
+        except CheckpointVerificationError as exc:
+            raise CheckpointError(
+                f"checkpoint.resume={resume!r}: file {exc.bad_file!r} of {ckpt_url!r} failed verification ({exc.reason})."
+            ) from None
         return info
 
-    def _verify_collective(self, info: CheckpointInfo, storage: Storage | None = None) -> mf.VerifyResult:
-        """Every rank checks a share of the files; all ranks get the same verdict."""
-        storage = storage or self.storage
-        names = sorted(info.manifest["files"])[self.rank :: self.world_size]
-        local = verify_checkpoint(storage, info, names)
-        results = self._all_gather(local)
-        bad = next((r for r in results if not r.ok), None)
-        if bad is None:
-            self._verified.add((info.url, mf.hash_bytes(mf.canonical_json(info.manifest))))
-            return mf.VerifyResult(True)
-        return bad
+    def _storage_for(self, ckpt_url: str) -> Storage:
+        return self.storage if ckpt_url.startswith(self.url + "/") else Storage(ckpt_url, self.cfg.storage_options)
+
+    def _hold(self, info: CheckpointInfo) -> _Held:
+        """Read and verify ``info`` collectively, keeping this rank's share; raises
+        :class:`CheckpointVerificationError` (the same on every rank) if any file fails."""
+        if self._held is not None and self._held.key == info.key:
+            return self._held
+        self._held = None
+        storage = self._storage_for(info.url)
+        start = time.perf_counter()
+        before = storage.bytes_read
+        index = self._coll.broadcast(read_index, storage, info, raise_errors=False)
+        if isinstance(index, Exception):
+            if isinstance(index, CheckpointVerificationError):
+                raise index
+            raise CheckpointVerificationError(str(index), ix.INDEX_NAME, f"reading failed: {index}")
+        by_writer = info.world_size == self.world_size
+        # At another world size nobody restores per-rank state: files that hold only that are skipped.
+        files = [(f.name, f.writer, f.size) for f in index.files if by_writer or f.pieces]
+        holders = assign_holders(files, range(self.world_size), by_writer=by_writer)
+        problem: CheckpointVerificationError | None = None
+        buffers: dict[str, torch.Tensor] = {}
+        try:
+            buffers = read_files(storage, info.url, files_to_read(index, holders, self.rank), info.manifest["files"], self._io)
+        except CheckpointVerificationError as exc:
+            problem = exc
+        failed = self._coll.first_failure(problem is not None)
+        if failed is not None:
+            verdict = self._coll.broadcast_from(failed, (problem.bad_file, problem.reason, str(problem)) if problem else None)
+            raise CheckpointVerificationError(verdict[2], verdict[0], verdict[1])
+        self._held = _Held(info.key, index, holders, buffers, storage.bytes_read - before, time.perf_counter() - start)
+        return self._held
 
     # ------------------------------------------------------------------------------------ loading
 
@@ -632,93 +652,78 @@ class CheckpointManager:
         """Load ``info`` into ``state`` (and ``rank_state``), at any world size; collective.
 
         Every object of ``state`` must be in the checkpoint (a :class:`CheckpointError` names the
-        missing ones); objects in the checkpoint but not in ``state`` are left alone. Tensors are
-        loaded in place into what the objects' ``state_dict()`` returns, then handed to their
-        ``load_state_dict()``. ``rank_state`` is restored only when the checkpoint was written at this
-        world size and every rank could restore its own; returns whether it was (False also
-        without ``rank_state``). The checkpoint is verified first unless this manager already verified it.
+        missing ones); objects in the checkpoint but not in ``state`` are left alone and their bytes
+        are not sent. Tensors are loaded in place into what the objects' ``state_dict()`` returns,
+        then handed to their ``load_state_dict()``. ``rank_state`` is restored only when the
+        checkpoint was written at this world size and every rank could restore its own; returns
+        whether it was (False also without ``rank_state``). Unless :meth:`latest`/:meth:`resolve`
+        just read ``info``, it is read and verified first (a failure raises CheckpointError).
         """
         self.wait()
-        storage = self.storage if info.url.startswith(self.url) else Storage(info.url, self.cfg.storage_options)
-        if (info.url, mf.hash_bytes(mf.canonical_json(info.manifest))) not in self._verified:
-            result = self._verify_collective(info, storage)
-            if not result.ok:
-                raise CheckpointError(
-                    f"Checkpoint {info.url!r} cannot be loaded: file {result.bad_file!r} failed verification "
-                    f"({result.reason})."
-                )
-        reader = VerifiedReader(info.url, self.cfg.storage_options, info.manifest["files"])
-        template = _state_dicts(state)
-        saved = _saved_names(reader)
-        # An object with an empty state (a disabled GradScaler) leaves nothing in the checkpoint.
-        missing = sorted(name for name, values in template.items() if values and name not in saved)
+        try:
+            held = self._hold(info)
+        except CheckpointVerificationError as exc:
+            raise CheckpointError(
+                f"Checkpoint {info.url!r} cannot be loaded: file {exc.bad_file!r} failed verification ({exc.reason})."
+            ) from None
+        self._held = None  # the buffers go once this load is done, whatever happens
+        index = held.index
+        templates = _state_dicts(state)
+        missing = sorted(set(templates) - set(index.state))
         if missing:
             raise CheckpointError(
                 f"Checkpoint {info.url!r} has no state named {', '.join(repr(m) for m in missing)}; it holds "
-                f"{sorted(n for n in saved if not n.startswith(RESERVED_PREFIX))}. It was saved by a run that "
-                "did not register it."
+                f"{sorted(index.state)}. It was saved by a run that did not register it."
             )
+        start = time.perf_counter()
         try:
-            dcp.load(template, storage_reader=reader, process_group=self._pg)
-        except DCP_ERRORS as exc:  # DCP wraps each rank's failure in its CheckpointException: name the checkpoint
-            raise CheckpointError(f"Loading checkpoint {info.url!r} failed: {describe_error(exc)}") from exc
+            dests, finish = destinations(index, list(templates), templates)
+            problem = None
+        except TreeError as exc:
+            dests, finish, problem = {}, None, str(exc)
+        self._coll.agree(problem, f"Checkpoint {info.url!r} does not fit this run's state")
+        received = distribute(index, held.holders, held.buffers, dests, self.rank, self._transport())
+        finish()
         for name, obj in state.items():
             try:
-                obj.load_state_dict(template[name])
+                obj.load_state_dict(restore_tree(index, name, dests))
             except Exception as exc:  # the object's own check (shapes, keys) failed: name it
                 raise CheckpointError(
                     f"Loading {name!r} from checkpoint {info.url!r} failed: {type(exc).__name__}: {exc}"
                 ) from exc
-        restored = self._load_rank_state(info, rank_state) if rank_state else False
+        restored = self._load_rank_state(info, held, rank_state) if rank_state else False
         self._resumed_step = info.step
+        self.last_load = LoadStats(info.step, held.bytes_read, held.read_s, time.perf_counter() - start, received)
         log.info("[%d/%d] Resumed from %s (saved at world size %d).", self.rank, info.step, info.url, info.world_size)
         return restored
 
-    def _load_rank_state(self, info: CheckpointInfo, rank_state: Mapping[str, Stateful]) -> bool:
+    def _load_rank_state(self, info: CheckpointInfo, held: _Held, rank_state: Mapping[str, Stateful]) -> bool:
         """Restore this rank's own state from ``info`` when every rank can; returns whether all did."""
-        ok = info.world_size == self.world_size
-        if ok:
-            key = _rank_key(self.rank)
-            template = {key: _state_dicts(rank_state)}
-            reader = VerifiedReader(info.url, self.cfg.storage_options, info.manifest["files"])
+        trees = None
+        if info.world_size == self.world_size:
+            file = held.index.rank_file(self.rank)
             try:
-                # Each rank reads only its own items: no collective.
-                dcp.load(template, storage_reader=reader, no_dist=True)
-            except DCP_ERRORS as exc:
+                if file is None or file.name not in held.buffers:
+                    raise TreeError(f"the checkpoint holds no per-rank state of rank {self.rank}")
+                trees = restore_rank_state(held.index, self.rank, held.buffers[file.name], _state_dicts(rank_state))
+            except TreeError as exc:
                 log.warning("[%d/%d] This rank's own state in %s cannot be restored: %s", self.rank, info.step,
-                            info.url, describe_error(exc))  # fmt: skip
-                ok = False
-        ok = all(self._all_gather(ok))
+                            info.url, exc)  # fmt: skip
+                trees = None
+        ok = self._coll.first_failure(trees is None) is None
         if ok:
             for name, obj in rank_state.items():
-                obj.load_state_dict(template[key][name])
+                obj.load_state_dict(trees[name])
         return ok
 
-    # ------------------------------------------------------------------------------- collectives
-
-    def _broadcast(self, fn: Any, *args: Any, raise_errors: bool = True) -> Any:
-        """Run ``fn(*args)`` on rank 0 and give its result to every rank.
-
-        If ``fn`` raises, every rank raises it (``raise_errors``) or gets the exception as the value.
-        """
-        value: Any = None
-        if self.rank == 0:
-            try:
-                value = fn(*args)
-            except DCP_ERRORS as exc:  # shipped to every rank so all of them fail the same way
-                # Client exceptions may not pickle; a CheckpointError carrying the message always does.
-                value = exc if isinstance(exc, (CheckpointError, fence.StaleWriterError)) else CheckpointError(describe_error(exc))
-        if self._distributed:
-            box = [value]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)
-            value = box[0]
-        if isinstance(value, Exception) and raise_errors:
-            raise value
-        return value
-
-    def _all_gather(self, obj: Any) -> list[Any]:
+    def _transport(self) -> Transport:
+        """NCCL with buffers on this rank's GPU when the group has it, else the manager's gloo group."""
         if not self._distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
+            return Transport(torch.device("cpu"), None, lambda r: r, False)
+        backend = str(dist.get_backend(self._group)).lower()
+        if "nccl" in backend and torch.cuda.is_available():
+            group = self._group
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            group, device = self._pg, torch.device("cpu")
+        return Transport(device, group, lambda r: global_rank(group, r), True)

@@ -2,9 +2,9 @@
 
 A step directory is a checkpoint only once ``manifest.json`` exists in it. The manifest is written
 last, by rank 0, after every rank's files are durable; it lists every file of the checkpoint with
-its size and SHA-256. Nothing of a checkpoint is unpickled before its files match the manifest
-(DCP reads ``.metadata`` with ``pickle.load`` and non-tensor items with ``torch.load(weights_only=False)``,
-so a tampered file would otherwise execute code).
+its size and SHA-256. Readers check each file against it as they read it; the format itself holds
+no pickles (``index.json`` is JSON, data files are raw tensor bytes), so even a file that slipped
+past the checks could not execute code.
 
 Signing: when :data:`ENV_CHECKPOINT_KEY` is set, the manifest carries an HMAC-SHA256 over its
 canonical JSON (sorted keys, no whitespace, without the ``signature`` field). With a key set, an
@@ -29,7 +29,8 @@ from elastic_ddp.checkpoint.storage import Storage, join
 ENV_CHECKPOINT_KEY = "ELASTIC_DDP_CHECKPOINT_KEY"
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 2
+# 3: raw tensor files + index.json (no pickles); 2 was DCP's shards and its pickled .metadata.
+FORMAT_VERSION = 3
 CHECKSUM_ALGORITHM = "sha256"
 _CHUNK = 8 << 20
 
@@ -167,7 +168,8 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
         raise ManifestError(f"The manifest {where} must be a JSON object, not {type(manifest).__name__}.")
     if manifest.get("format") != FORMAT_VERSION:
         raise ManifestError(
-            f"The manifest {where} has format {manifest.get('format')!r}; this version reads format {FORMAT_VERSION}."
+            f"The manifest {where} has format {manifest.get('format')!r}; this version reads format {FORMAT_VERSION}. "
+            "Load it with the elastic_ddp version named in its 'versions' field, or start a new run."
         )
     for field, kind in (
         ("step", int), ("world_size", int), ("files", dict), ("identity_digest", str), ("identity", dict),

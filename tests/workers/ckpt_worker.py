@@ -1,11 +1,17 @@
 """A tiny DDP job for the checkpoint tests, run under torchrun (gloo, CPU).
 
 save: train ``--steps`` steps, async-saving at each step in ``--save-at`` while training goes on
-      (mutating the tensors right after each save() returns); rank 0 dumps the values of the last
+      (mutating the tensors right after each save() returns); rank 0 dumps the values of every
       saved step to ``--dump`` for the loader to compare. ``--fault POINT:RANK`` arms the manager's
-      fault point for the save of step ``--fault-step`` only.
-load: resolve ``--resume`` (default auto), load into a fresh model and optimizer, compare with
-      ``--dump`` (model, optimizer state, extra), then train one more step to show it works.
+      fault point for the save of step ``--fault-step`` only. Each rank prints how many bytes of the
+      replicated state it staged: ``rank R staged S of T replicated bytes``.
+load: resolve ``--resume`` (default auto), load into a fresh model and optimizer, compare with the
+      dump of the resumed step (model, optimizer state, progress) and, at the saving world size,
+      check that each rank got its own per-rank state back; print the bytes of the checkpoint this
+      rank read from storage; then train one more step to show it works.
+
+Both modes save per-rank state (a tensor and the rank) besides the replicated state. A manager
+that cannot be built (checkpoint.url not shared by all nodes) ends the worker with exit status 5.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/workers/ckpt_worker.py \
         save --url /tmp/ck --steps 3 --save-at 3 --dump /tmp/ck.pt
@@ -22,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic_ddp.checkpoint import ENV_FAULT_POINT, CheckpointManager
+from elastic_ddp.checkpoint import ENV_FAULT_POINT, CheckpointError, CheckpointManager
 from elastic_ddp.config import CheckpointConfig
 from elastic_ddp.state import ModelState, OptimizerState
 
@@ -40,6 +46,25 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.world = state["step"], state["world"]
+
+
+class Mine:
+    """Per-rank state: the rank that saved it and a tensor only that rank has."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.values = torch.full((5,), float(rank))
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank, "values": self.values}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rank, self.values = state["rank"], state["values"].clone()
+
+
+def own_value(rank: int, step: int) -> float:
+    """What rank ``rank``'s per-rank tensor holds when step ``step`` is saved."""
+    return float(10 * rank + step)
 
 
 def objects(model: torch.nn.Module, opt: torch.optim.Optimizer, progress: Progress) -> dict:
@@ -70,6 +95,12 @@ def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     }
 
 
+def replicated_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    tensors = list(model.state_dict().values())
+    tensors += [v for s in opt.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["save", "load"])
@@ -80,29 +111,44 @@ def main() -> int:
     parser.add_argument("--resume", default="auto")
     parser.add_argument("--fault", default="")
     parser.add_argument("--fault-step", type=int, default=-1)
+    # 0: every rank writes files even for this tiny model (the layout is what the tests check).
+    parser.add_argument("--min-file-mb", type=float, default=0.0)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build()
     ddp = DDP(model)
-    mgr = CheckpointManager(CheckpointConfig(url=args.url, keep_last=10), identity=IDENTITY)
+    cfg = CheckpointConfig(url=args.url, keep_last=10, min_file_mb=args.min_file_mb)
+    try:
+        mgr = CheckpointManager(cfg, identity=IDENTITY)
+    except CheckpointError as exc:  # e.g. checkpoint.url is not shared by all nodes
+        print(f"rank {rank}: CheckpointError: {exc}", flush=True)
+        dist.destroy_process_group()
+        return 5
+    mine = Mine(rank)
 
     if args.mode == "save":
-        expected = None
+        expected = {}
         for step in range(1, args.steps + 1):
             train_step(ddp, opt, step, rank)
             if step in args.save_at:
                 if step == args.fault_step:
                     os.environ[ENV_FAULT_POINT] = args.fault
-                mgr.save(step, objects(model, opt, Progress(step, world)), blocking=False)
-                expected = snapshot(model, opt)
+                mine.values.fill_(own_value(rank, step))
+                mgr.save(step, objects(model, opt, Progress(step, world)), rank_state={"mine": mine}, blocking=False)
+                expected[step] = snapshot(model, opt)
                 # Keep changing the tensors while the background write runs.
                 with torch.no_grad():
                     for p in model.parameters():
                         p.mul_(-3.0).add_(1.0)
+                    mine.values.add_(1000.0)
         ok = mgr.close()
-        if rank == 0 and args.dump and expected is not None:
+        if ok and mgr.last_save is not None:
+            own = mine.values.numel() * mine.values.element_size()
+            print(f"rank {rank} staged {mgr.last_save.staged_bytes - own} of {replicated_bytes(model, opt)} "
+                  "replicated bytes", flush=True)  # fmt: skip
+        if rank == 0 and args.dump and expected:
             torch.save(expected, args.dump)
         shutdown(ddp)
         return 0 if ok else 3
@@ -112,8 +158,9 @@ def main() -> int:
         print("no checkpoint", file=sys.stderr)
         return 4
     progress = Progress()
-    mgr.load(info, objects(model, opt, progress))
-    expected = torch.load(args.dump, weights_only=True)
+    restored = mgr.load(info, objects(model, opt, progress), rank_state={"mine": mine})
+    read = mgr.last_load.bytes_read
+    expected = torch.load(args.dump, weights_only=True)[info.step]
     got = snapshot(model, opt)
     for key, value in expected["model"].items():
         if not torch.equal(got["model"][key], value):
@@ -124,9 +171,14 @@ def main() -> int:
                 raise SystemExit(f"rank {rank}: optimizer state {index}.{key} differs after load")
     if (progress.step, progress.world) != (info.step, info.world_size):
         raise SystemExit(f"rank {rank}: progress {progress.state_dict()} does not match step {info.step}")
+    if restored != (info.world_size == world):
+        raise SystemExit(f"rank {rank}: per-rank state restored={restored} at world size {world}")
+    if restored and (mine.rank != rank or not torch.equal(mine.values, torch.full((5,), own_value(rank, info.step)))):
+        raise SystemExit(f"rank {rank}: got the per-rank state of rank {mine.rank}")
     train_step(ddp, opt, info.step + 1, rank)
     mgr.close()
-    print(f"rank {rank}/{world}: resumed step {info.step} saved at world size {info.world_size}: OK", flush=True)
+    print(f"rank {rank}/{world}: resumed step {info.step} saved at world size {info.world_size}: OK "
+          f"(own state restored: {restored}; read {read} bytes)", flush=True)  # fmt: skip
     shutdown(ddp)
     return 0
 

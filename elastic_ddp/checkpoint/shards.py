@@ -1,0 +1,119 @@
+"""Writing and reading one data file, hashing its bytes on the way (no second pass over them).
+
+A file is written from a sequence of byte buffers (staged host memory, or views of CPU tensors)
+and read back into one host buffer. In both directions SHA-256 runs in a thread of its own over the
+chunks just written or read, so hashing overlaps the I/O instead of following it (hashlib and
+file I/O both release the GIL). Chunks are at most :data:`CHUNK` bytes: large enough that per-call
+overhead vanishes, and one ranged request each on object stores.
+"""
+
+from __future__ import annotations
+
+import hmac
+import queue
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from elastic_ddp.checkpoint import manifest as mf
+from elastic_ddp.checkpoint.errors import CheckpointVerificationError
+from elastic_ddp.checkpoint.faults import fault_point
+from elastic_ddp.checkpoint.storage import Storage, basename
+
+CHUNK = 16 << 20
+
+
+class _Hasher:
+    """SHA-256 of the buffers given to :meth:`update`, computed in order by a thread of its own.
+
+    The buffers must not change until :meth:`hexdigest` returns (they are staged or read buffers
+    that live longer than that).
+    """
+
+    def __init__(self) -> None:
+        self._hash = mf.new_hasher()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ckpt-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (view := self._queue.get()) is not None:
+            self._hash.update(view)
+
+    def update(self, view: memoryview) -> None:
+        self._queue.put(view)
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+def _write_all(stream: Any, view: memoryview) -> None:
+    while view:
+        written = stream.write(view)
+        if written is None:  # a buffered or remote writer takes everything
+            return
+        view = view[written:]
+
+
+def write_file(
+    storage: Storage, url: str, buffers: Iterable[Any], *, sync: bool, fault_rank: int | None = None
+) -> tuple[int, str]:
+    """Write ``buffers`` (objects exposing the buffer protocol) back to back as ``url``.
+
+    Returns ``(size, sha256)`` of what was written. ``sync``: fsync before returning (local disk).
+    ``fault_rank``: this rank's number for the ``mid_write`` test fault point.
+    """
+    hasher = _Hasher()
+    size = 0
+    try:
+        with storage.open_write(url, sync=sync) as stream:
+            for buffer in buffers:
+                view = memoryview(buffer).cast("B")
+                for i in range(0, len(view), CHUNK):
+                    part = view[i : i + CHUNK]
+                    hasher.update(part)
+                    _write_all(stream, part)
+                    size += len(part)
+                    if fault_rank is not None:
+                        fault_point("mid_write", fault_rank)
+        return size, hasher.hexdigest()
+    finally:
+        hasher.close()
+
+
+def read_file(storage: Storage, url: str, into: memoryview, *, sha256: str) -> int:
+    """Read ``url`` into ``into`` (exactly its expected size), checking the SHA-256 as it streams.
+
+    Returns the number of bytes read. Raises :class:`CheckpointVerificationError` if the file is
+    shorter or longer than ``into`` or its hash is not ``sha256``; storage failures raise
+    ``StorageError`` (``FileNotFoundError`` for a missing file).
+    """
+    name = basename(url)
+    size = len(into)
+    hasher = _Hasher()
+    pos = 0
+    try:
+        with storage.open_read(url, sequential=True) as stream:
+            while pos < size:
+                n = stream.readinto(into[pos : min(pos + CHUNK, size)])
+                if not n:
+                    break
+                hasher.update(into[pos : pos + n])
+                pos += n
+            extra = len(stream.read(1)) if pos == size else 0
+        digest = hasher.hexdigest()
+    finally:
+        hasher.close()
+    if pos != size or extra:
+        reason = f"{pos} bytes were read, the manifest says {size}" if pos != size else f"it is longer than the {size} bytes the manifest says"
+        raise CheckpointVerificationError(f"The file {name!r} at {url!r} does not match its manifest: {reason}.", name, reason)
+    if not hmac.compare_digest(digest, sha256):
+        reason = "its SHA-256 does not match the manifest"
+        raise CheckpointVerificationError(f"The file {name!r} at {url!r} does not match its manifest: {reason}.", name, reason)
+    return pos + extra
