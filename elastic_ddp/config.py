@@ -235,6 +235,28 @@ class CheckpointConfig(Section):
             "before the save or load is declared failed."
         ),
     )
+    memory_dir: str = Field(
+        default="/dev/shm/elastic_ddp",
+        description=(
+            "Node-local directory (a tmpfs: it outlives the worker processes, not the machine) where each node "
+            "keeps the state after recent steps, so a hard node loss costs at most one step. Each node needs "
+            "room for two states (2 x model + optimizer state); every agent on one host needs its own directory."
+        ),
+    )
+    memory_overhead: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        description=(
+            "Budget of the memory tier as a fraction of step time: saves to node memory happen every step when "
+            "their measured stall fits, else as often as it allows. 0 turns the memory tier off."
+        ),
+    )
+    memory_every_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Save to node memory every N steps whatever the stall. 0: chosen from checkpoint.memory_overhead.",
+    )
 
     @model_validator(mode="after")
     def _check_resume(self) -> CheckpointConfig:

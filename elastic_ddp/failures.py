@@ -4,7 +4,8 @@ torchrun restarts a failed worker group up to ``--max-restarts`` times. A node l
 cluster is worth those restarts; a bug or a bad sample that crashes the same step every time is
 not, and a user reading the logs of attempt four wants to know that attempts one to three died
 the same way. :class:`FailureReport` writes every rank's failure (step, error, attempt) to
-``<run dir>/failures.jsonl`` and, when a step fails again as it did before, says so; on the last
+``<run dir>/failures.jsonl`` -- beside one ``"kind": "resume"`` line per resume saying which tier
+(node memory or durable) it came from and how many steps were redone -- and, when a step fails again as it did before, says so; on the last
 attempt torchrun allows, it raises one error that names the step, the error and the attempts.
 With the recipe's ``@record``, that error is the "root cause" torchrun prints when it gives up.
 """
@@ -75,6 +76,13 @@ class FailureReport:
             len(earlier), error,
         )  # fmt: skip
 
+    def record_resume(self, *, tier: str, step: int, source: str, steps_redone: int | None, world_size: int) -> None:
+        """Record where an attempt resumed from: ``tier`` (``"memory"`` or ``"durable"``), the ``step``, the
+        ``source`` (a node's memory or a checkpoint URL) and how many completed steps it trains again."""
+        self._write({"attempt": _attempt_id(), "restart": self.restart_count, "rank": self.rank, "kind": "resume",
+                     "tier": tier, "step": step, "source": source, "steps_redone": steps_redone,
+                     "world_size": world_size, "time": time.time()})  # fmt: skip
+
     def _earlier_attempts(self, error: str) -> set[str]:
         try:
             lines = self.path.read_text(encoding="utf-8").splitlines()
@@ -85,6 +93,8 @@ class FailureReport:
             try:
                 record = json.loads(line)
             except ValueError:
+                continue
+            if record.get("kind") == "resume":
                 continue
             if record.get("step") == self.step + 1 and record.get("error") == error and record.get("attempt") != _attempt_id():
                 found.add(record.get("attempt"))

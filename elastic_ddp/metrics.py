@@ -184,6 +184,10 @@ class Metrics:
     def log_config(self, yaml_text: str) -> None:
         """Record the run's whole configuration (YAML, secrets already redacted) as text."""
 
+    def previous_step(self) -> int | None:
+        """The last step an earlier attempt of the run logged (None: unknown here, or none logged)."""
+        return None
+
     def summary(self, ended: str = ENDED_FINISHED) -> str:
         """Print and return the one-line summary of this attempt (empty on the no-op twin)."""
         return ""
@@ -361,6 +365,10 @@ class TensorBoardMetrics(Metrics):
             flush_secs=cfg.flush_s,
         )
         atexit.register(self.close)
+
+    def previous_step(self) -> int | None:
+        step = (self._previous or {}).get("step")
+        return step if isinstance(step, int) else None
 
     def log_step(self, step: int, scalars: Mapping[str, float]) -> None:
         if self._closed:

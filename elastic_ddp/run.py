@@ -27,12 +27,15 @@ order is not the script's):
    seeded from ``train.seed`` (the same initial weights on every rank).
 2. :meth:`Run.setup`: wraps the model in DDP; registers the model, optimizer, scheduler and any
    other stateful objects; proves that every node sees the same checkpoint storage; picks the
-   newest committed, verified checkpoint, refuses it if it belongs to a run with other identity
-   settings, and loads it (every object, and the data position); opens the metrics.
+   newest state anywhere -- a surviving node's memory tier (``checkpoint.memory_dir``, see
+   docs/memory-tier.md) or the newest committed, verified checkpoint, refused if it belongs to a
+   run with other identity settings -- and loads it (every object, and the data position); opens
+   the metrics.
 3. :meth:`Run.steps`: each iteration is one optimizer step over this rank's share of the next
    ``train.global_batch_size`` samples of a world-size-independent order. Around the script's step
-   the run agrees with all ranks on stopping, saves at ``checkpoint.every_steps`` (in the
-   background), logs metrics, and ends with a blocking save at ``train.max_steps``,
+   the run agrees with all ranks on stopping, keeps the state in node memory at the interval its
+   stall budget allows (``checkpoint.memory_overhead``), saves at ``checkpoint.every_steps`` (in
+   the background), logs metrics, and ends with a blocking save at ``train.max_steps``,
    ``train.exit_at_step`` or a stop request.
 4. Teardown: waits for a save in flight, closes the metrics and the process group, and exits 0,
    or with :data:`~elastic_ddp.stop.EXIT_STOPPED` after a stop (a survivor of a membership change
@@ -60,6 +63,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_ddp.chaos import maybe_inject
 from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
+from elastic_ddp.checkpoint.manifest import identity_digest
 from elastic_ddp.config import Config, ConfigError, identity_differences, load_config
 from elastic_ddp.data import (
     ORDER_VERSION, DataCursor, ElasticSampler, MicroBatch, StepBatch, StepBatches, StepLedger, check_dataset,
@@ -68,6 +72,8 @@ from elastic_ddp.data import (
 from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo_group, shutdown_distributed
 from elastic_ddp.failures import FailureReport, RecurringFailureError
 from elastic_ddp.logs import configure_logging
+from elastic_ddp.memory.policy import choose_resume
+from elastic_ddp.memory.tier import MemoryTier, MemoryTierError
 from elastic_ddp.metrics import (
     ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_MEMBERSHIP, ENDED_STOPPED, Metrics, create_metrics,
 )  # fmt: skip
@@ -233,8 +239,9 @@ class Run:
     """One worker's part of an elastic job (see the module docstring). Made by :func:`launch`.
 
     Attributes: ``cfg`` (the settings), ``rank``, ``world_size``, ``local_rank``, ``device``,
-    ``is_main``, ``step`` (optimizer steps completed), ``resumed_from`` (the checkpoint this attempt
-    started from, or None).
+    ``is_main``, ``step`` (optimizer steps completed), ``resumed_from`` (the durable checkpoint this
+    attempt started from, or None), ``resumed_tier`` (``"memory"``, ``"durable"`` or None: where this
+    attempt's state came from).
     """
 
     def __init__(self, cfg: Config, stop_signal: StopSignal) -> None:
@@ -255,6 +262,11 @@ class Run:
         self._ddp: DistributedDataParallel | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._checkpoints: CheckpointManager | None = None
+        self._memory: MemoryTier | None = None
+        self._resume_source: str | None = None
+        self.resumed_tier: str | None = None
+        self._steps_redone: int | None = None
+        self._memory_off: str | None = None
         self._metrics: Metrics = Metrics(cfg.logging, max_steps=cfg.train.max_steps)
         self._looped = False
         self._in_step = 0
@@ -327,24 +339,88 @@ class Run:
             self.cfg.checkpoint, identity=self.cfg.identity(), rdzv_round=self._ctx.rdzv_round
         )
         self._checkpoints.check_shared_storage()
+        self._memory = self._memory_tier()
         self._resume()
         self._metrics = create_metrics(
             self.cfg.logging, rank=self.rank, run_dir=self.cfg.run.dir,
-            resume_step=self.step if self.resumed_from is not None else None,
+            resume_step=self.step if self.resumed_tier is not None else None,
             world_size=self.world_size, restart_count=self._ctx.restart_count, max_steps=self.cfg.train.max_steps,
             storage_options=self.cfg.checkpoint.storage_options,
         )  # fmt: skip
         self._metrics.log_config(self.cfg.to_yaml())
-        if self.resumed_from is not None:
-            self._metrics.event(f"Resumed from {self.resumed_from.url} (step {self.step})")
+        if self._memory_off:
+            self._metrics.event(self._memory_off)
+        if self.resumed_tier is not None:
+            self._record_resume()
         return self._ddp
 
+    def _memory_tier(self) -> MemoryTier | None:
+        cfg = self.cfg.checkpoint
+        if cfg.memory_overhead <= 0:
+            return None
+        return MemoryTier(
+            memory_dir=cfg.memory_dir, overhead=cfg.memory_overhead, every_steps=cfg.memory_every_steps,
+            timeout_s=cfg.timeout_s, run_name=self.cfg.run.name,
+            # Named from the identity *and* the durable location: two runs of one name elsewhere never meet.
+            identity_digest=identity_digest({**self.cfg.identity(), "checkpoint.url": self._checkpoints.url}),
+            rank=self.rank, local_rank=self.local_rank, local_world_size=self._ctx.local_world_size,
+            node=self._ctx.node_rank, device=self.device, control_group=self._control,
+        )  # fmt: skip
+
     def _resume(self) -> None:
+        """Resume from the newest state anywhere: a node's memory tier or the durable checkpoints."""
         checkpoints, cfg = self._checkpoints, self.cfg.checkpoint
+        automatic = cfg.resume.strip() == "auto"
+        survey = None
+        if self._memory is not None:
+            try:
+                # Only an automatic resume may take node memory; any other start forgets it.
+                survey = self._memory.survey(self._state, fresh=not automatic)
+            except MemoryTierError as exc:
+                raise RunError(str(exc)) from None
+        last_step = survey.last_step() if survey is not None else None
+        if self._memory is not None and self._memory.disabled:
+            self._memory_off, self._memory = self._memory.disabled, None
         if cfg.resume.strip() == "never":
             self._start_afresh()
             return
-        info = checkpoints.resolve(cfg.resume)
+        if not automatic:
+            self._resume_durable(checkpoints.resolve(cfg.resume), last_step)
+            return
+        listed = checkpoints.list_collective()
+        durable_step = listed[-1].step if listed else None
+        excluded: set[int] = set()
+        while True:
+            candidates = survey.candidates(excluded) if survey is not None else []
+            choice = choose_resume(candidates, durable_step)
+            log.info("[%d/-] Resume: %s.", self.rank, choice.why)
+            if choice.tier == "memory":
+                try:
+                    restored = self._memory.restore(survey, choice.node, self._state)
+                except MemoryTierError as exc:
+                    raise RunError(str(exc)) from None
+                if restored:
+                    self.step, self.resumed_tier = choice.step, "memory"
+                    self._resume_source = f"memory:node{choice.node}"
+                    self._note_redone(last_step)
+                    return
+                excluded.add(choice.node)
+                continue
+            if choice.tier == "durable":
+                info = checkpoints.latest()  # verified; falls back past damaged checkpoints
+                newest_memory = max((c.step for c in candidates), default=None)
+                if info is not None and (newest_memory is None or info.step >= newest_memory):
+                    self._resume_durable(info, last_step)
+                    return
+                if newest_memory is None:
+                    return
+                # The newest durable checkpoint failed verification; node memory is newer than what is left.
+                durable_step = info.step if info is not None else None
+                continue
+            return
+
+    def _resume_durable(self, info: CheckpointInfo | None, last_step: int | None) -> None:
+        checkpoints, cfg = self._checkpoints, self.cfg.checkpoint
         if info is None:
             return
         differences = identity_differences(info.identity, self.cfg.identity())
@@ -359,7 +435,27 @@ class Run:
             log.warning("[%d/%d] Resuming %s with changed identity settings: %s.", self.rank, info.step, info.url,
                         "; ".join(differences))  # fmt: skip
         checkpoints.load(info, self._state)
-        self.step, self.resumed_from = info.step, info
+        self.step, self.resumed_from, self.resumed_tier, self._resume_source = info.step, info, "durable", info.url
+        self._note_redone(last_step)
+
+    def _note_redone(self, last_step: int | None) -> None:
+        self._steps_redone = max(last_step - self.step, 0) if last_step is not None else None
+
+    def _record_resume(self) -> None:
+        """Say where this attempt's state came from and how many completed steps it trains again."""
+        self._metrics.event(f"Resumed from {self._resume_source} (step {self.step})")
+        redone = self._steps_redone
+        if redone is None:
+            previous = self._metrics.previous_step()
+            redone = max(previous - self.step, 0) if previous is not None else None
+        self._steps_redone = redone
+        self._metrics.event(
+            f"Resumed from the {self.resumed_tier} tier at step {self.step}: "
+            + ("steps redone unknown" if redone is None else f"{redone} step(s) redone")
+        )
+        if self.is_main:
+            self.failures.record_resume(tier=self.resumed_tier, step=self.step, source=self._resume_source,
+                                        steps_redone=redone, world_size=self.world_size)  # fmt: skip
 
     def _start_afresh(self) -> None:
         """``checkpoint.resume=never``: refuse a URL holding another run's checkpoints, or clear it."""
@@ -398,7 +494,7 @@ class Run:
         if self._looped:
             raise RunError("run.steps() can run once per worker; the run's end is the process's end.")
         self._looped = True
-        where = self.resumed_from.url if self.resumed_from is not None else "(none)"
+        where = self._resume_source or "(none)"
         self._data.bind(check_dataset(dataset), fingerprint, where)
         return self._loop(dataset, collate_fn)
 
@@ -415,7 +511,8 @@ class Run:
         )  # fmt: skip
         ledger = StepLedger(self.cfg.run.dir, rank=self.rank, world_size=self.world_size, resume_step=self.step,
                             enabled=data.ledger)  # fmt: skip
-        agreement = StopAgreement(self._stop_signal, self._control)
+        memory = self._memory
+        agreement = StopAgreement(self._stop_signal, self._control, values=2)
         if self.step >= end:
             log.info("[%d/%d] Nothing to train: the run is at step %d of %d.", self.rank, self.step, self.step, end)
             self.ended = ENDED_FINISHED
@@ -432,12 +529,18 @@ class Run:
                 step._check_complete()
                 self.step, self._data.cursor = batch.step, batch.cursor_after
                 self.failures.step = self.step
-                stop = agreement.after_step()
+                stop = agreement.after_step(memory.report() if memory is not None else (0.0, 0.0))
                 exiting = self.step == end
                 loss = None
                 if data.ledger or self._metrics.should_log(self.step):
                     loss = self._global_loss(step)
                 ledger.record(self.step, batch.rank_indices, loss if loss is not None else float("nan"))
+                if memory is not None:
+                    # After the ledger line: a state in node memory is a step this rank has on record.
+                    memory.after_step(self.step, self._state, agreement.agreed)
+                    if memory.failed and self._memory_off is None:
+                        self._memory_off = f"The memory tier stopped on rank {self.rank}: {memory.failed}"
+                        self._metrics.event(self._memory_off)
                 if stop or exiting or (self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0):
                     self._save(blocking=stop or exiting)
                 if loss is not None:
@@ -497,6 +600,11 @@ class Run:
             **{name: float(value) for name, value in step.scalars.items()},
             **self._checkpoints.metrics(),
         }
+        if self._memory is not None and self._memory.enabled:
+            scalars["memory/interval_steps"] = float(self._memory.interval)
+            scalars["memory/stall_s"] = self._memory.stall_s
+        if self._steps_redone is not None and self.step == self._metrics.start_step:
+            scalars["elastic/steps_redone"] = float(self._steps_redone)
         self._metrics.log_step(self.step, scalars)
 
     def event(self, text: str) -> None:
@@ -515,6 +623,13 @@ class Run:
             )
         if self._checkpoints is not None and not self._checkpoints.close():
             raise RunError(f"The last checkpoint save failed: {self._checkpoints.last_error}")
+        if self._memory is not None:
+            self._memory.close()
+            if self.ended == ENDED_FINISHED:
+                # The run is over, so node memory is freed -- once every local rank stopped writing.
+                if self._control is not None:
+                    dist.barrier(group=self._control)
+                self._memory.remove()
         if self.ended in (ENDED_STOPPED, ENDED_MEMBERSHIP):
             self._stop_signal.stopped()
         self._metrics.summary(self.ended)

@@ -119,25 +119,40 @@ class StopAgreement:
     CPU tensor on a gloo group of its own: no GPU synchronisation, no interleaving with the
     gradient all-reduces or the checkpoint's collectives. Without a process group (one rank) the
     flag is read directly.
+
+    ``values`` more numbers ride on the same all-reduce (the maximum over ranks is agreed): each
+    :meth:`after_step` passes this rank's, and :attr:`agreed` then holds the maxima of the ones
+    passed one step earlier -- the same tuple on every rank at the same step, for decisions all
+    ranks must take alike (the memory tier's save interval) without a collective of their own.
     """
 
-    def __init__(self, stop_signal: StopSignal, group: Any = None) -> None:
+    def __init__(self, stop_signal: StopSignal, group: Any = None, values: int = 0) -> None:
         self._signal = stop_signal
         self._group = group
-        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._values = values
+        self._buffer = torch.zeros(1 + values, dtype=torch.float64)
         self._pending: Any = None
+        self.agreed: tuple[float, ...] | None = None
 
-    def after_step(self) -> bool:
-        """True when every rank must stop after the step just completed."""
+    def after_step(self, values: tuple[float, ...] = ()) -> bool:
+        """True when every rank must stop after the step just completed; ``values``: this rank's numbers."""
+        if len(values) != self._values:
+            raise ValueError(f"StopAgreement was made for {self._values} value(s) per step, got {len(values)}.")
         if self._group is None:
+            self.agreed = tuple(float(v) for v in values) if values else None
             return self._signal.requested
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-            if int(self._flag.item()) > 0:
+            result = self._buffer.tolist()
+            self.agreed = tuple(result[1:]) if self._values else None
+            if result[0] > 0:
                 return True
-        self._flag.fill_(1 if self._signal.requested else 0)
-        self._pending = dist.all_reduce(self._flag, group=self._group, async_op=True)
+        self._buffer[0] = 1.0 if self._signal.requested else 0.0
+        for i, value in enumerate(values, start=1):
+            self._buffer[i] = float(value)
+        # MAX: the flag is set if any rank's is, and each value is the largest any rank reported.
+        self._pending = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return False
 
     def close(self) -> None:

@@ -297,7 +297,7 @@ def train(run):
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 2)).to(run.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ddp_model = run.setup(model, optimizer)
-    print("START", run.step, run.resumed_from is not None, flush=True)
+    print("START", run.step, run.resumed_from is not None, run.resumed_tier, flush=True)
     for step in run.steps(Points()):
         for x, y in step:
             step.backward(F.cross_entropy(ddp_model(x), y))
@@ -345,13 +345,14 @@ def lines(result: subprocess.CompletedProcess, tag: str) -> list:
 def test_a_one_rank_launch_trains_then_resumes_exactly_with_more_steps(script, tmp_path):
     first = script("split", "--train.max_steps=3")
     assert first.returncode == 0, first.stderr
-    assert "START 0 False" in first.stdout
+    assert "START 0 False None" in first.stdout
     assert [number for number, _ in lines(first, "STEP")] == [1, 2, 3]
     assert (tmp_path / "split" / "ckpt").is_dir()  # the checkpoints went where checkpoint.url says
 
     second = script("split", "--train.max_steps=5")
     assert second.returncode == 0, second.stderr
-    assert "START 3 True" in second.stdout
+    # The first run finished, which freed its node memory: the durable checkpoint serves.
+    assert "START 3 True durable" in second.stdout
     assert [number for number, _ in lines(second, "STEP")] == [4, 5]
 
     straight = script("straight", "--train.max_steps=5")
@@ -365,6 +366,26 @@ def test_a_one_rank_launch_trains_then_resumes_exactly_with_more_steps(script, t
     assert lines(straight, "STEP") == expected
     assert lines(second, "WEIGHTS") == lines(straight, "WEIGHTS")
     assert lines(first, "WEIGHTS") != lines(straight, "WEIGHTS")
+
+
+def test_a_run_killed_mid_way_resumes_from_node_memory_at_the_last_completed_step(script, tmp_path):
+    flags = ("--train.max_steps=6", "--checkpoint.every_steps=3", "--checkpoint.memory_every_steps=1",
+             f"--checkpoint.memory_dir={tmp_path / 'shm'}")  # fmt: skip
+    killed = script("mem", *flags, ELASTIC_DDP_FAULT="kill@5")  # SIGKILL at the start of step 5
+    assert killed.returncode == -9, killed.stderr
+    assert [number for number, _ in lines(killed, "STEP")] == [1, 2, 3, 4]
+
+    again = script("mem", *flags)
+    assert again.returncode == 0, again.stderr
+    assert "START 4 False memory" in again.stdout  # step 4 from memory, not step 3 from the durable tier
+    assert [number for number, _ in lines(again, "STEP")] == [5, 6]
+    records = [json.loads(line) for line in (tmp_path / "mem" / "tiny" / "failures.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["tier"], r["step"], r["steps_redone"]) for r in records] == [("resume", "memory", 4, 0)]
+
+    straight = script("straight", "--train.max_steps=6", "--checkpoint.every_steps=3")
+    assert lines(killed, "STEP") + lines(again, "STEP") == lines(straight, "STEP")
+    assert lines(again, "WEIGHTS") == lines(straight, "WEIGHTS")
+    assert [p for p in (tmp_path / "shm").iterdir() if (p / "run.json").exists()] == []  # freed at the end
 
 
 def test_leaving_the_steps_early_exits_non_zero_saying_the_steps_would_be_lost(script):

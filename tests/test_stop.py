@@ -155,6 +155,60 @@ def test_a_flag_set_on_one_rank_before_step_k_is_agreed_by_both_ranks_after_step
         assert json.loads(out) == [[False] * k + [True] for _, k in scenarios]
 
 
+def test_without_a_group_the_values_are_agreed_as_passed():
+    agreement = StopAgreement(types.SimpleNamespace(requested=False), group=None, values=2)
+    assert agreement.agreed is None
+    assert agreement.after_step((0.5, 2.0)) is False
+    assert agreement.agreed == (0.5, 2.0)
+    with pytest.raises(ValueError, match="made for 2 value"):
+        agreement.after_step((1.0,))
+
+
+_VALUES_WORKER = """
+import json, sys, types
+import torch.distributed as dist
+from elastic_ddp.stop import StopAgreement
+
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+group = dist.new_group(backend="gloo")
+agreement = StopAgreement(types.SimpleNamespace(requested=False), group, values=2)
+seen = []
+for step in range(1, 5):
+    # rank 0 reports a large first value, rank 1 a large second one; both change per step
+    mine = (10.0 * step, 1.0) if rank == 0 else (1.0, 100.0 * step)
+    stop = agreement.after_step(mine)
+    seen.append([stop, None if agreement.agreed is None else list(agreement.agreed)])
+agreement.close()
+print(json.dumps(seen), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_values_ride_on_the_agreement_and_every_rank_sees_the_maxima_one_step_later(tmp_path):
+    script = tmp_path / "values.py"
+    script.write_text(_VALUES_WORKER)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    store = str(tmp_path / "store")
+    workers = [
+        subprocess.Popen([sys.executable, str(script), str(rank), store], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+        for rank in range(2)
+    ]  # fmt: skip
+    try:
+        outputs = [worker.communicate(timeout=120) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    expected = [[False, None]] + [[False, [10.0 * (step - 1), 100.0 * (step - 1)]] for step in range(2, 5)]
+    for worker, (out, err) in zip(workers, outputs):
+        assert worker.returncode == 0, err
+        assert json.loads(out) == expected
+
+
 # --- after the stop checkpoint ---------------------------------------------------------------
 
 

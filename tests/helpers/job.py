@@ -77,25 +77,26 @@ class Job:
     def run_dir(self) -> Path:
         return self.root / self.run_id
 
-    def command(self, torchrun_flags: Sequence[str] = ()) -> list[str]:
+    def command(self, torchrun_flags: Sequence[str] = (), flags: Sequence[str] = ()) -> list[str]:
         return [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
             "--rdzv-backend=etcd", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
             *self.torchrun_flags, *torchrun_flags,
             str(self.recipe), f"--run.root={self.root}", f"--run.name={self.run_id}",
-            *(TINY if self.recipe == RECIPE else TINY_CLASSIFIER), *self.flags,
+            *(TINY if self.recipe == RECIPE else TINY_CLASSIFIER), *self.flags, *flags,
         ]  # fmt: skip
 
     def add_node(
         self, command_prefix: Sequence[str] = (), extra_env: dict[str, str] | None = None,
-        torchrun_flags: Sequence[str] = (), cwd: Path | None = None,
+        torchrun_flags: Sequence[str] = (), cwd: Path | None = None, flags: Sequence[str] = (),
     ) -> Node:
         """Start one more agent; ``command_prefix`` (e.g. ``ip netns exec NS``), ``extra_env``,
-        ``torchrun_flags`` and ``cwd`` (a directory of its own: a machine with its own disk) apply to
-        this node only."""
+        ``torchrun_flags``, ``cwd`` (a directory of its own: a machine with its own disk) and
+        ``flags`` (the script's settings, e.g. a ``--checkpoint.memory_dir`` of its own: a machine
+        with its own memory) apply to this node only."""
         index = len(self.nodes)
-        command = [*command_prefix, *self.command(torchrun_flags)]
+        command = [*command_prefix, *self.command(torchrun_flags, flags)]
         node = start_node(
             command, env(**self.extra_env, **(extra_env or {})), self.root / f"{self.rdzv_id}-node{index}.log", cwd=cwd
         )  # fmt: skip

@@ -1,0 +1,371 @@
+"""One node's memory tier on disk: a run's directory under ``checkpoint.memory_dir`` (tmpfs).
+
+Layout (``<memory_dir>/<run name>-<identity digest>/``)::
+
+    run.json                 which run this is (name, identity digest, owner uid)
+    lock                     every live worker of the run on this node holds a shared flock on it
+    last-step                8 bytes: the last step this node's local rank 0 completed
+    slot-0/part-00000.bin    local rank 0's share of a state: raw tensor bytes, back to back
+    slot-0/part-00000.json   its commit record: step, part, parts, size, SHA-256, state digest
+                             (part 0's record also holds the index: trees, tensor specs, pieces)
+    slot-1/...               the other slot: the previous state
+
+Each local rank writes one part of a state, so a node's parts add up to one state, not one per
+rank. A part is committed when its record exists (written to a temporary name, then renamed);
+a state of step S in a slot is *complete* only when every part's record names step S and the same
+state digest and every part file has the recorded size. Contents are verified against the
+SHA-256 as they are read (:func:`read_part`), so a damaged byte is caught before it is used.
+
+Two slots: a save goes to the slot that does not hold the newest complete state, and a rank
+starts overwriting a slot only after the other slot is complete (every local rank finished the
+previous save), so a kill at any moment leaves at least one complete state once one was saved.
+
+No collective is needed: the ranks of a node agree on slots because they save the same steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORMAT", "MemoryFormatError", "NodeMemory", "PartRecord", "StateOnNode", "read_part", "run_dir_name",
+    "write_part",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+SLOTS = 2
+RUN_FILE = "run.json"
+LOCK_FILE = "lock"
+LAST_STEP_FILE = "last-step"
+# Bytes read or written per system call: large enough for memory speed, small enough to hash
+# in cache-friendly pieces.
+CHUNK = 16 << 20
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class MemoryFormatError(ValueError):
+    """A part file or record does not verify: the message names the file and what differs."""
+
+
+def run_dir_name(run_name: str, identity_digest: str) -> str:
+    """The run's directory name: its name (made file-name safe) and its identity digest, so a run
+    with other identity settings never reads this run's states."""
+    safe = _UNSAFE.sub("_", run_name).strip("._") or "run"
+    return f"{safe[:80]}-{identity_digest}"
+
+
+def part_name(part: int) -> str:
+    return f"part-{part:05d}"
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """A committed part: ``size`` bytes with ``sha256``, part ``part`` of ``parts`` of step ``step``."""
+
+    step: int
+    part: int
+    parts: int
+    size: int
+    sha256: str
+    digest: str
+    index: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "format": FORMAT, "step": self.step, "part": self.part, "parts": self.parts, "size": self.size,
+            "sha256": self.sha256, "digest": self.digest,
+        }  # fmt: skip
+        if self.index is not None:
+            out["index"] = self.index
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> PartRecord:
+        fields = ("step", "part", "parts", "size")
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise MemoryFormatError(f"{where} is not a memory-tier commit record of format {FORMAT}.")
+        if not all(isinstance(data.get(k), int) and data[k] >= 0 for k in fields) or data["parts"] < 1:
+            raise MemoryFormatError(f"{where}: {', '.join(fields)} must be non-negative integers (parts >= 1).")
+        if not isinstance(data.get("sha256"), str) or not isinstance(data.get("digest"), str):
+            raise MemoryFormatError(f"{where}: sha256 and digest must be strings.")
+        index = data.get("index")
+        if index is not None and not isinstance(index, dict):
+            raise MemoryFormatError(f"{where}: the index must be an object.")
+        return cls(data["step"], data["part"], data["parts"], data["size"], data["sha256"], data["digest"], index)
+
+
+@dataclass(frozen=True)
+class StateOnNode:
+    """A complete state in a slot: its step and every part's record (``records[i]`` is part i)."""
+
+    slot: int
+    step: int
+    records: tuple[PartRecord, ...]
+
+    @property
+    def index(self) -> dict[str, Any]:
+        index = self.records[0].index
+        if index is None:
+            raise MemoryFormatError(f"Part 0 of the state of step {self.step} (slot {self.slot}) holds no index.")
+        return index
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.size for r in self.records)
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_part(path: Path, buffers: Iterable[memoryview]) -> tuple[int, str]:
+    """Write ``buffers`` back to back into ``path`` (replacing it); its size and SHA-256.
+
+    Hashing runs on the same bytes as they are written, one pass over the data (hashlib and file
+    writes release the GIL on large buffers, so this runs beside training in a thread).
+    """
+    hasher = hashlib.sha256()
+    size = 0
+    with open(path, "wb") as file:
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            for lo in range(0, len(view), CHUNK):
+                chunk = view[lo : lo + CHUNK]
+                hasher.update(chunk)
+                file.write(chunk)
+                size += len(chunk)
+    return size, hasher.hexdigest()
+
+
+def read_part(path: Path, record: PartRecord) -> torch.Tensor:
+    """The bytes of ``path`` as a uint8 tensor, verified against ``record`` as they are read.
+
+    Raises :class:`MemoryFormatError` naming the file when it is missing, of another size, or its
+    SHA-256 differs.
+    """
+    buffer = torch.empty(record.size, dtype=torch.uint8)
+    view = memoryview(buffer.numpy()).cast("B")
+    hasher = hashlib.sha256()
+    try:
+        with open(path, "rb", buffering=0) as file:
+            got = 0
+            while got < record.size:
+                n = file.readinto(view[got : got + CHUNK])
+                if not n:
+                    break
+                hasher.update(view[got : got + n])
+                got += n
+            extra = file.read(1)
+    except FileNotFoundError:
+        raise MemoryFormatError(f"The memory-tier part {path} is missing.") from None
+    except OSError as exc:
+        raise MemoryFormatError(f"The memory-tier part {path} cannot be read: {exc}.") from exc
+    if got != record.size or extra:
+        raise MemoryFormatError(
+            f"The memory-tier part {path} holds {'more than ' if extra else ''}{got} bytes; its record says {record.size}."
+        )
+    if hasher.hexdigest() != record.sha256:
+        raise MemoryFormatError(
+            f"The memory-tier part {path} does not match its checksum (SHA-256 {hasher.hexdigest()[:16]}..., "
+            f"recorded {record.sha256[:16]}...): its bytes were damaged."
+        )
+    return buffer
+
+
+class NodeMemory:
+    """This run's directory in node memory, as seen by one local rank (see the module docstring)."""
+
+    def __init__(self, memory_dir: str | os.PathLike, run_name: str, identity_digest: str) -> None:
+        self.root = Path(memory_dir)
+        self.run_name = run_name
+        self.identity_digest = identity_digest
+        self.path = self.root / run_dir_name(run_name, identity_digest)
+        self._lock_fd: int | None = None
+        self._last_step_fd: int | None = None
+
+    # -------------------------------------------------------------------------------- lifecycle
+
+    def open(self) -> None:
+        """Create the run's directory (if needed) and hold its lock while this process lives."""
+        for slot in range(SLOTS):
+            (self.path / f"slot-{slot}").mkdir(parents=True, exist_ok=True)
+        run_file = self.path / RUN_FILE
+        if not run_file.exists():
+            _write_json_atomic(run_file, {"run": self.run_name, "identity_digest": self.identity_digest,
+                                          "uid": os.getuid(), "format": FORMAT})  # fmt: skip
+        if self._lock_fd is None:
+            self._lock_fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+
+    def close(self) -> None:
+        for fd in (self._last_step_fd, self._lock_fd):
+            if fd is not None:
+                os.close(fd)
+        self._last_step_fd = self._lock_fd = None
+
+    def remove(self) -> None:
+        """Delete the run's directory (after a normal finish: nothing in it is needed any more)."""
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def remove_stale_runs(self) -> list[Path]:
+        """Delete other runs' directories under the memory dir that no live worker holds.
+
+        The rule: a directory with a ``run.json`` of this format, owned by this user, whose lock no
+        process holds (every worker that used it is gone) is stale -- its run ended without a
+        normal finish, or was replaced by a run with other identity settings -- and takes node
+        memory that this run needs. A directory another user owns, or one a live run holds, stays.
+        """
+        removed = []
+        try:
+            entries = list(self.root.iterdir())
+        except OSError:
+            return removed
+        for entry in entries:
+            if entry == self.path or not (entry / RUN_FILE).is_file():
+                continue
+            try:
+                if entry.stat().st_uid != os.getuid():
+                    continue
+                fd = os.open(entry / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue
+                raise
+            try:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+            finally:
+                os.close(fd)
+        return removed
+
+    # ------------------------------------------------------------------------------------ space
+
+    def used_bytes(self) -> int:
+        """Bytes this run's directory takes now (reused by the next saves)."""
+        total = 0
+        for dirpath, _, files in os.walk(self.path):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.stat(os.path.join(dirpath, name)).st_size
+        return total
+
+    def free_bytes(self) -> int:
+        """Bytes free under the memory dir plus what this run's own states take (they are overwritten)."""
+        return shutil.disk_usage(self.root).free + self.used_bytes()
+
+    # ------------------------------------------------------------------------------- last step
+
+    def note_step(self, step: int) -> None:
+        """Record the last step this node completed (8 bytes into tmpfs: about a microsecond)."""
+        if self._last_step_fd is None:
+            self._last_step_fd = os.open(self.path / LAST_STEP_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        os.pwrite(self._last_step_fd, int(step).to_bytes(8, "little"), 0)
+
+    def last_step(self) -> int | None:
+        try:
+            data = (self.path / LAST_STEP_FILE).read_bytes()
+        except OSError:
+            return None
+        return int.from_bytes(data[:8], "little") if len(data) >= 8 else None
+
+    # ------------------------------------------------------------------------------ the states
+
+    def slot_path(self, slot: int) -> Path:
+        return self.path / f"slot-{slot}"
+
+    def records(self, slot: int) -> dict[int, PartRecord]:
+        """The commit records found in ``slot``, by part (unreadable ones are left out)."""
+        out = {}
+        for path in self.slot_path(slot).glob("part-*.json"):
+            try:
+                record = PartRecord.from_json(json.loads(path.read_text(encoding="utf-8")), str(path))
+            except (OSError, ValueError):
+                continue
+            if path.stem == part_name(record.part):
+                out[record.part] = record
+        return out
+
+    def complete(self, slot: int) -> StateOnNode | None:
+        """The complete state in ``slot`` (every part committed for one step and digest), or None."""
+        records = self.records(slot)
+        first = records.get(0)
+        if first is None:
+            return None
+        parts = []
+        for part in range(first.parts):
+            record = records.get(part)
+            if record is None or (record.step, record.parts, record.digest) != (first.step, first.parts, first.digest):
+                return None
+            try:
+                if os.stat(self.slot_path(slot) / f"{part_name(part)}.bin").st_size != record.size:
+                    return None
+            except OSError:
+                return None
+            parts.append(record)
+        return StateOnNode(slot, first.step, tuple(parts))
+
+    def newest(self) -> StateOnNode | None:
+        """The newest complete state on this node, or None."""
+        found = [s for s in (self.complete(slot) for slot in range(SLOTS)) if s is not None]
+        return max(found, key=lambda s: s.step, default=None)
+
+    def wait_complete(self, slot: int, step: int, timeout_s: float) -> bool:
+        """Wait until ``slot`` holds a complete state of ``step``; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0005
+        while True:
+            state = self.complete(slot)
+            if state is not None and state.step == step:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def uncommit(self, slot: int, part: int) -> None:
+        """Remove ``part``'s record in ``slot``: from now on the slot's state is incomplete."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.slot_path(slot) / f"{part_name(part)}.json")
+
+    def commit(self, slot: int, record: PartRecord) -> None:
+        _write_json_atomic(self.slot_path(slot) / f"{part_name(record.part)}.json", record.to_json())
+
+    def write(self, slot: int, part: int, buffers: Iterable[memoryview]) -> tuple[int, str]:
+        return write_part(self.slot_path(slot) / f"{part_name(part)}.bin", buffers)
+
+    def read(self, state: StateOnNode, part: int) -> torch.Tensor:
+        return read_part(self.slot_path(state.slot) / f"{part_name(part)}.bin", state.records[part])
+
+    def clear(self) -> None:
+        """Forget every state (a run that starts over must not resume what an earlier start left)."""
+        for slot in range(SLOTS):
+            for path in self.slot_path(slot).glob("part-*"):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / LAST_STEP_FILE).unlink()

@@ -1,0 +1,536 @@
+"""The memory tier: the state after a step kept in node memory, and a resume from any node that has it.
+
+Saving (every rank, no collective): after a step that is due, each rank takes the registered
+state's tensors in traversal order, cuts that byte stream into ``LOCAL_WORLD_SIZE`` equal parts
+(:func:`elastic_ddp.checkpoint.layout.plan`, a pure function of the shapes, so every rank knows
+every part without talking), copies *its* part to a host buffer (pinned, with non-blocking copies
+and an event, when the state is on a GPU) -- the only time training waits -- and a background
+thread writes it into the node's tmpfs with its SHA-256 and commits it
+(:mod:`elastic_ddp.memory.store`). How often: :func:`elastic_ddp.memory.policy.interval` from the
+largest measured stall and step time of all ranks, which ride on the per-step stop agreement, so
+every rank saves the same steps without another collective.
+
+Resuming (collective, before training): :meth:`MemoryTier.survey` all-gathers what each node's
+memory holds (newest complete step, the last step the node completed) and checks that every
+node has room; the run picks the newest state anywhere
+(:func:`elastic_ddp.memory.policy.choose_resume`); :meth:`MemoryTier.restore` has the holding
+node's ranks read its parts, verifying each as it is read, agrees that all verified, and
+broadcasts the bytes over the default process group (NCCL on GPUs) straight into every rank's
+registered tensors.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_ddp.checkpoint.layout import Layout, plan
+from elastic_ddp.checkpoint.tree import TensorSpec, TreeError, flatten, leaf, path_text, unflatten
+from elastic_ddp.memory.policy import Candidate, interval
+from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord
+
+__all__ = ["MemoryTier", "MemoryTierError", "NodeOffer", "Survey"]
+
+log = logging.getLogger(__name__)
+
+# Bytes per broadcast at a restore: bounded collectives and a bounded device buffer.
+BROADCAST_BYTES = 64 << 20
+# Room left free beside the two slots (commit records, the index, tmpfs rounding).
+SPACE_MARGIN = 16 << 20
+
+
+class MemoryTierError(RuntimeError):
+    """The memory tier cannot work as configured; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class NodeOffer:
+    """What one rank reported at the survey (see :meth:`MemoryTier.survey`)."""
+
+    rank: int
+    node: int
+    local_rank: int
+    place: int  # a hash of (host, memory dir): two nodes must not share one directory
+    step: int  # newest complete state in its node's memory, -1: none
+    slot: int
+    last_step: int  # the last step its node completed before this start, -1: unknown
+    need: int
+    free: int
+
+    @classmethod
+    def from_row(cls, rank: int, row: list[int]) -> NodeOffer:
+        return cls(rank, *row)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Every rank's offer, the same on every rank."""
+
+    offers: tuple[NodeOffer, ...]
+
+    def node_ranks(self, node: int) -> list[int]:
+        """Global ranks of ``node``, by local rank."""
+        return [o.rank for o in sorted((o for o in self.offers if o.node == node), key=lambda o: o.local_rank)]
+
+    def leader(self, node: int) -> NodeOffer:
+        return min((o for o in self.offers if o.node == node), key=lambda o: o.local_rank)
+
+    def candidates(self, excluded: set[int] = frozenset()) -> list[Candidate]:
+        nodes = sorted({o.node for o in self.offers} - set(excluded))
+        return [Candidate(n, self.leader(n).step) for n in nodes if self.leader(n).step >= 0]
+
+    def last_step(self) -> int | None:
+        """The last step any node completed before this start (None when no node knows)."""
+        best = max(o.last_step for o in self.offers)
+        return best if best >= 0 else None
+
+
+def _size(nbytes: int) -> str:
+    unit = "GiB" if nbytes >= 2**30 else "MiB"
+    return f"{nbytes / (2**30 if unit == 'GiB' else 2**20):.2f} {unit} ({nbytes:,} bytes)"
+
+
+def _place_key(memory_dir: str) -> int:
+    text = f"{socket.gethostname()}\0{os.path.realpath(memory_dir)}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: obj.state_dict() for name, obj in state.items()}
+
+
+def _flatten_state(trees: Mapping[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor], list[tuple]]:
+    """``{name: encoded tree}`` with tensor references numbered across all names, the tensors, their paths."""
+    encoded, tensors, paths = {}, [], []
+    for name, tree in trees.items():
+        offset = len(tensors)
+        enc, found, where = flatten(tree, (name,))
+        encoded[name] = _renumber(enc, offset)
+        tensors.extend(found)
+        paths.extend(where)
+    return encoded, tensors, paths
+
+
+def _renumber(node: Any, offset: int) -> Any:
+    if not offset:
+        return node
+    if isinstance(node, list):
+        return [_renumber(v, offset) for v in node]
+    if isinstance(node, dict):
+        [(kind, value)] = node.items()
+        if kind == "tensor":
+            return {"tensor": value + offset}
+        if kind == "tuple":
+            return {"tuple": [_renumber(v, offset) for v in value]}
+        return {"dict": [[k, _renumber(v, offset)] for k, v in value]}
+    return node
+
+
+def _byte_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a contiguous ``tensor`` as uint8 (a view)."""
+    return tensor.detach().reshape(-1)[start:stop].view(torch.uint8)
+
+
+class MemoryTier:
+    """One rank's part of the memory tier. Off (every method a no-op) when ``overhead`` is 0.
+
+    ``memory_dir``: the node's tmpfs directory; ``overhead``: the stall budget as a fraction of
+    step time; ``every_steps``: a fixed interval instead (0: from the budget); ``timeout_s``: how
+    long a save waits for the node's other ranks to finish the previous one.
+    """
+
+    def __init__(
+        self, *, memory_dir: str, overhead: float, every_steps: int, timeout_s: float, run_name: str,
+        identity_digest: str, rank: int, local_rank: int, local_world_size: int, node: int, device: torch.device,
+        control_group: Any,
+    ) -> None:  # fmt: skip
+        self.enabled = overhead > 0
+        self.memory_dir = memory_dir
+        self.overhead = overhead
+        self.every_steps = every_steps
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self.local_rank = local_rank
+        self.local_world_size = local_world_size
+        self.node = node
+        self.device = device
+        self._group = control_group
+        self.store = NodeMemory(memory_dir, run_name, identity_digest)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self._plan: tuple[tuple[TensorSpec, ...], Layout, str] | None = None
+        self._buffer: torch.Tensor | None = None
+        self._slot = 0
+        self._previous: tuple[int, int] | None = None  # (slot, step) of this rank's last save
+        self._next_due = 0
+        self.interval = 1
+        self.interval_why = "not measured yet"
+        self.stall_s = 0.0  # the last save's stall: what this rank reports to the agreement
+        self.step_s = 0.0
+        self._last_tick: float | None = None
+        self._stall_since_tick = 0.0
+        self.saves = 0
+        self._copy_s = 0.0  # GPU time of the last save's device-to-host copies (0 on CPUs)
+        self.failed: str | None = None
+        self.disabled: str | None = None  # why the tier turned itself off at the survey
+
+    # ------------------------------------------------------------------------------------ start
+
+    def survey(self, state: Mapping[str, Any], *, fresh: bool) -> Survey | None:
+        """Collective: every rank's offer; raises :class:`MemoryTierError` (on every rank alike) when a
+        node's memory dir lacks room for two states or cannot be used. When two nodes share one
+        directory the tier turns itself off instead (:attr:`disabled` says why).
+
+        ``fresh``: this start must not resume node memory (``checkpoint.resume`` is not ``auto``), so
+        the node's states are forgotten first. None when the tier is off.
+        """
+        if not self.enabled:
+            return None
+        _, tensors, _ = _flatten_state(_state_dicts(state))
+        need = 2 * sum(t.numel() * t.element_size() for t in tensors) + SPACE_MARGIN
+        newest, last, free = None, None, 0
+        problem = ""
+        try:
+            if self.local_rank == 0:
+                os.makedirs(self.memory_dir, exist_ok=True)
+                for path in self.store.remove_stale_runs():
+                    log.info("[%d/-] Removed the memory tier of an ended run: %s", self.rank, path)
+            self.store.open()
+            if self.local_rank == 0:
+                if fresh:
+                    self.store.clear()
+                newest, last = self.store.newest(), self.store.last_step()
+            free = self.store.free_bytes()
+        except OSError as exc:
+            problem = f"{exc}"
+        row = [
+            self.node, self.local_rank, _place_key(self.memory_dir), newest.step if newest else -1,
+            newest.slot if newest else -1, -1 if last is None else last, need, -1 if problem else free,
+        ]  # fmt: skip
+        survey = Survey(tuple(NodeOffer.from_row(r, row) for r, row in enumerate(self._all_gather(row))))
+        survey = self._check(survey, problem)
+        mine = survey.leader(self.node)
+        self._slot = 1 - mine.slot if mine.slot >= 0 else 0
+        return survey
+
+    def _check(self, survey: Survey, problem: str) -> Survey:
+        places: dict[int, int] = {}
+        for offer in survey.offers:
+            other = places.setdefault(offer.place, offer.node)
+            if other != offer.node:
+                # Every rank sees the same survey, so every rank turns the tier off alike. Not an
+                # error: two agents on one host (a test, a dense dev box) lose only the memory tier,
+                # and durable checkpoints protect them as before; the event says how to get it back.
+                self.disabled = (
+                    f"Nodes {other} and {offer.node} use the same checkpoint.memory_dir ({self.memory_dir!r}) on "
+                    "one host, so the memory tier is off for this attempt (durable checkpoints go on); give each "
+                    "agent its own --checkpoint.memory_dir to have it."
+                )
+                log.warning("[%d/-] %s", self.rank, self.disabled)
+                self.enabled = False
+                self.store.close()
+                return Survey(tuple(replace(o, step=-1, slot=-1) for o in survey.offers))
+        short = [o for o in survey.offers if o.free < 0 or (o.local_rank == 0 and o.free < o.need)]
+        if short:
+            worst = short[0]
+            unreadable = worst.free < 0
+            raise MemoryTierError(
+                f"The memory tier needs {_size(worst.need)} (two copies of the {_size((worst.need - SPACE_MARGIN) // 2)} "
+                f"state, and {_size(SPACE_MARGIN)} for its records) in checkpoint.memory_dir ({self.memory_dir!r}) on "
+                f"node{'s' if len(short) > 1 else ''} {', '.join(str(o.node) for o in short)}, but "
+                + (f"the directory cannot be used there ({problem or 'an OS error on that node'}). "
+                   if unreadable else f"only {_size(worst.free)} is free there. ")
+                + "Give it room (Docker: --shm-size; Kubernetes: an emptyDir with medium: Memory and a sizeLimit "
+                "mounted at /dev/shm; or point --checkpoint.memory_dir at a larger tmpfs), or turn the tier off "
+                "with --checkpoint.memory_overhead=0 (durable checkpoints still work)."
+            )  # fmt: skip
+        return survey
+
+    def _all_gather(self, row: list[int]) -> list[list[int]]:
+        mine = torch.tensor(row, dtype=torch.int64)
+        if self._group is None:
+            return [row]
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(out, mine, group=self._group)
+        return [t.tolist() for t in out]
+
+    def _all_ok(self, ok: bool) -> bool:
+        if self._group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+    def _broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        if self._group is None:
+            return data or b""
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self._group)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()), dtype=torch.uint8)
+        if buffer.numel():
+            dist.broadcast(buffer, src=src, group=self._group)
+        return buffer.numpy().tobytes()
+
+    # ---------------------------------------------------------------------------------- restore
+
+    def restore(self, survey: Survey, node: int, state: Mapping[str, Any]) -> bool:
+        """Collective: load the newest state of ``node``'s memory into ``state`` on every rank.
+
+        The node's ranks read its parts, verifying each as it is read; if any part fails, every
+        rank returns False (nothing was loaded) and the caller chooses again without this node.
+        Raises :class:`MemoryTierError` when the saved state does not fit the registered objects.
+        """
+        offer = survey.leader(node)
+        ranks = survey.node_ranks(node)
+        held: dict[int, torch.Tensor] = {}
+        problem = ""
+        index_text: bytes | None = None
+        if self.rank in ranks:
+            try:
+                found = self.store.complete(offer.slot)
+                if found is None or found.step != offer.step:
+                    raise MemoryFormatError(f"The state of step {offer.step} in {self.store.slot_path(offer.slot)} is no longer complete.")
+                mine = [i for i in range(len(found.records)) if ranks[i % len(ranks)] == self.rank]
+                for part in mine:
+                    held[part] = self.store.read(found, part)
+                if self.rank == ranks[0]:
+                    index_text = json.dumps(found.index).encode()
+            except MemoryFormatError as exc:
+                problem = str(exc)
+                log.warning("[%d/%d] %s", self.rank, offer.step, problem)
+        if not self._all_ok(not problem):
+            log.warning("[%d/%d] The memory tier of node %d failed verification; choosing again without it.",
+                        self.rank, offer.step, node)  # fmt: skip
+            return False
+        index = json.loads(self._broadcast_bytes(index_text, ranks[0]))
+        try:
+            specs = [TensorSpec.from_json(s, "the memory tier's index") for s in index["tensors"]]
+            pieces = [[tuple(p) for p in part] for part in index["pieces"]]
+            templates = _state_dicts(state)
+            dests, finish = _destinations(index["state"], specs, templates)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MemoryTierError(
+                f"The state of step {offer.step} in node {node}'s memory tier does not fit this run's registered "
+                f"objects: {exc}. Its directory is named after this run's identity, so this means the script "
+                "registers other state than the run that saved it; start with --checkpoint.memory_overhead=0 "
+                "once to resume from the durable tier."
+            ) from exc
+        started = time.perf_counter()
+        self._receive(pieces, specs, ranks, held, dests)
+        finish()
+        trees = {name: unflatten(index["state"][name], lambda i, _: dests[i], (name,), where="the memory tier")
+                 for name in state}  # fmt: skip
+        for name, obj in state.items():
+            try:
+                obj.load_state_dict(trees[name])
+            except Exception as exc:  # the object's own check (keys, shapes) failed: name it
+                raise MemoryTierError(
+                    f"Loading {name!r} from node {node}'s memory tier (step {offer.step}) failed: {type(exc).__name__}: "
+                    f"{exc}. The state there does not fit this run's registered objects; start with "
+                    "--checkpoint.memory_overhead=0 once to resume from the durable tier."
+                ) from exc
+        log.info("[%d/%d] Restored from node %d's memory in %.2f s.", self.rank, offer.step, node,
+                 time.perf_counter() - started)  # fmt: skip
+        return True
+
+    def _receive(
+        self, pieces: list[list[tuple[int, int, int]]], specs: list[TensorSpec], ranks: list[int],
+        held: Mapping[int, torch.Tensor], dests: Mapping[int, torch.Tensor],
+    ) -> None:  # fmt: skip
+        """Broadcast every part from the rank that read it, in slices, into the destination tensors."""
+        distributed = self._group is not None
+        buffer: torch.Tensor | None = None
+        for part, part_pieces in enumerate(pieces):
+            holder = ranks[part % len(ranks)]
+            spans, pos = [], 0
+            for t, start, stop in part_pieces:
+                size = (stop - start) * specs[t].itemsize
+                spans.append((pos, pos + size, t, start))
+                pos += size
+            for lo in range(0, pos, BROADCAST_BYTES):
+                hi = min(pos, lo + BROADCAST_BYTES)
+                if buffer is None or buffer.numel() < hi - lo:
+                    buffer = torch.empty(min(pos, BROADCAST_BYTES), dtype=torch.uint8, device=self.device)
+                chunk = buffer[: hi - lo]
+                if self.rank == holder:
+                    chunk.copy_(held[part][lo:hi])
+                if distributed:
+                    dist.broadcast(chunk, src=holder)
+                for a, b, t, start in spans:
+                    if b <= lo or a >= hi:
+                        continue
+                    x, y = max(a, lo), min(b, hi)
+                    itemsize = specs[t].itemsize
+                    whole = _byte_range(dests[t], 0, dests[t].numel())
+                    whole[start * itemsize + (x - a) : start * itemsize + (y - a)].copy_(chunk[x - lo : y - lo])
+
+    # ------------------------------------------------------------------------------------- save
+
+    def after_step(self, step: int, state: Mapping[str, Any], agreed: tuple[float, float] | None) -> None:
+        """Called by every rank after each step: note it, adopt the agreed interval, save when due."""
+        if not self.enabled or self.failed:
+            return
+        now = time.perf_counter()
+        if self._last_tick is not None:
+            self.step_s = max(now - self._last_tick - self._stall_since_tick, 0.0)
+        self._last_tick, self._stall_since_tick = now, 0.0
+        if self.local_rank == 0:
+            self.store.note_step(step)
+        if self.every_steps:
+            self.interval, self.interval_why = self.every_steps, f"checkpoint.memory_every_steps={self.every_steps}"
+        elif agreed is not None:
+            self.interval, self.interval_why = interval(agreed[0], agreed[1], self.overhead)
+        if step >= self._next_due:
+            # Subtracted from the next step's time: the interval weighs the stall against a step without it.
+            self._stall_since_tick = self.stall_s = self.save(step, state)
+            self._next_due = step + self.interval
+
+    def report(self) -> tuple[float, float]:
+        """(stall of the last save, time of the last step without it): this rank's share of the agreement."""
+        return self.stall_s, self.step_s
+
+    def save(self, step: int, state: Mapping[str, Any]) -> float:
+        """Stage this rank's part of the state after ``step`` and write it in the background; the stall (s)."""
+        started = time.perf_counter()
+        if not self._wait_writer():
+            return time.perf_counter() - started
+        trees = _state_dicts(state)
+        encoded, tensors, paths = _flatten_state(trees)
+        specs = tuple(TensorSpec.of(t) for t in tensors)
+        if self._plan is None or self._plan[0] != specs:
+            layout = plan(specs, list(range(self.local_world_size)), files_per_writer=1, min_file_bytes=0)
+            digest = hashlib.sha256(
+                json.dumps([[path_text(p), s.to_json()] for p, s in zip(paths, specs)]).encode()
+            ).hexdigest()[:16]
+            self._plan = (specs, layout, digest)
+        _, layout, digest = self._plan
+        parts = [[(p.tensor, p.start, p.stop) for f in layout.files_of(w) for p in f.pieces] for w in range(self.local_world_size)]
+        mine = parts[self.local_rank]
+        nbytes = sum((b - a) * specs[t].itemsize for t, a, b in mine)
+        on_gpu = any(tensors[t].is_cuda for t, _, _ in mine)
+        if self._buffer is None or self._buffer.numel() != nbytes or self._buffer.is_pinned() != on_gpu:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu)
+        events = None
+        if on_gpu:
+            # The copies run on the training stream, so the GPU pays their time, not the host:
+            # timed by events and added to the stall this rank reports.
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        pos = 0
+        for t, a, b in mine:
+            view = _byte_range(tensors[t], a, b)
+            self._buffer[pos : pos + view.numel()].copy_(view, non_blocking=view.is_cuda)
+            pos += view.numel()
+        if events is not None:
+            events[1].record()
+        index = None
+        if self.local_rank == 0:
+            index = {"state": encoded, "tensors": [s.to_json() for s in specs], "pieces": parts}
+        slot, previous = self._slot, self._previous
+        record = PartRecord(step, self.local_rank, self.local_world_size, nbytes, "", digest, index)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memory-tier")
+        self._pending = self._pool.submit(self._write, slot, previous, record, self._buffer, events)
+        self._previous, self._slot = (slot, step), 1 - slot
+        self.saves += 1
+        # On GPUs the stall also counts the device-to-host copies, timed at the previous save.
+        return time.perf_counter() - started + self._copy_s
+
+    def _write(self, slot: int, previous: tuple[int, int] | None, record: PartRecord, buffer: torch.Tensor,
+               events: Any) -> None:  # fmt: skip
+        if events is not None:
+            events[1].synchronize()
+            self._copy_s = events[0].elapsed_time(events[1]) / 1000.0
+        # Overwrite this slot only once the other slot holds the previous state complete: every
+        # local rank finished it. Until then this slot's older state is the node's only complete one.
+        if previous is not None and not self.store.wait_complete(*previous, timeout_s=self.timeout_s):
+            raise MemoryTierError(
+                f"The node's other ranks did not finish the memory-tier save of step {previous[1]} within "
+                f"{self.timeout_s:.0f} s (checkpoint.timeout_s)."
+            )
+        self.store.uncommit(slot, record.part)
+        size, sha256 = self.store.write(slot, record.part, [memoryview(buffer.numpy()).cast("B")])
+        self.store.commit(slot, PartRecord(record.step, record.part, record.parts, size, sha256, record.digest, record.index))
+
+    def _wait_writer(self) -> bool:
+        """Wait for the save in flight; False (the tier then stops on this rank) if it failed."""
+        if self._pending is None:
+            return True
+        pending, self._pending = self._pending, None
+        try:
+            pending.result()
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failed memory save must not stop training: durable still works
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.error("[%d/-] The memory tier stops on this rank after a failed save (%s); durable checkpoints go on.",
+                      self.rank, self.failed)  # fmt: skip
+            return False
+
+    # --------------------------------------------------------------------------------- teardown
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the directory (its states stay for a restart)."""
+        if not self.enabled:
+            return
+        self._wait_writer()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.store.close()
+
+    def remove(self) -> None:
+        """After a normal end, once every local rank has closed: local rank 0 deletes the run's directory."""
+        if self.enabled and self.local_rank == 0:
+            self.store.remove()
+
+
+def _destinations(
+    encoded: Mapping[str, Any], specs: list[TensorSpec], templates: Mapping[str, Any]
+) -> tuple[dict[int, torch.Tensor], Any]:
+    """Where each saved tensor goes: the template's own tensor at its path (filled in place) or a new
+    CPU tensor; and a ``finish()`` that copies into non-contiguous templates."""
+    dests: dict[int, torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    missing = sorted(set(templates) - set(encoded))
+    if missing:
+        raise TreeError(f"it holds no state named {', '.join(repr(m) for m in missing)}")
+
+    def place(i: int, path: tuple) -> None:
+        if not 0 <= i < len(specs) or i in dests:
+            raise TreeError(f"the index refers to tensor {i} at {path_text(path)!r}, which it does not hold once")
+        spec = specs[i]
+        target = leaf(templates[path[0]], path[1:])
+        if not isinstance(target, torch.Tensor):
+            dests[i] = torch.empty(spec.shape, dtype=spec.dtype)
+            return
+        if target.dtype != spec.dtype or tuple(target.shape) != spec.shape:
+            raise TreeError(
+                f"{path_text(path)!r} is {spec.dtype} of shape {list(spec.shape)} in node memory but {target.dtype} "
+                f"of shape {list(target.shape)} here"
+            )
+        if target.is_contiguous():
+            dests[i] = target.detach()
+        else:
+            dests[i] = torch.empty_like(target, memory_format=torch.contiguous_format)
+            copies.append((dests[i], target))
+
+    for name in templates:
+        unflatten(encoded[name], place, (name,), where="the memory tier's index")
+
+    def finish() -> None:
+        with torch.no_grad():
+            for filled, target in copies:
+                target.copy_(filled)
+
+    return dests, finish

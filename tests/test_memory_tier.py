@@ -1,0 +1,345 @@
+"""The memory tier's format, commit rule, verification, slots, clean-up, space check and policy.
+
+One process, no process group: a tier of local rank 0 reads every part itself, so a node's save
+by several local ranks (several tier objects on one directory) and its restore are exercised
+without torchrun. The collectives are covered by tests/test_memory_tier_e2e.py.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+import torch
+
+from elastic_ddp.memory.policy import MAX_INTERVAL, Candidate, choose_resume, interval
+from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord, read_part, run_dir_name, write_part
+from elastic_ddp.memory.tier import MemoryTier, MemoryTierError, NodeOffer, Survey
+from elastic_ddp.state import ModelState, OptimizerState
+
+
+class Counter:
+    """A user's own stateful object with plain values only."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "tag": ("a", 1)}
+
+    def load_state_dict(self, state: dict) -> None:
+        assert state["tag"] == ("a", 1)
+        self.seen = state["seen"]
+
+
+def make_state(seed: int) -> tuple[dict, torch.nn.Module]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 7)).sum().backward()
+    optimizer.step()
+    counter = Counter()
+    counter.seen = seed
+    return {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "count": counter}, model
+
+
+def tier(memory_dir, *, local_rank=0, local_world_size=1, overhead=0.02, every=1) -> MemoryTier:
+    return MemoryTier(
+        memory_dir=str(memory_dir), overhead=overhead, every_steps=every, timeout_s=5.0, run_name="job",
+        identity_digest="0123456789abcdef", rank=local_rank, local_rank=local_rank, local_world_size=local_world_size,
+        node=0, device=torch.device("cpu"), control_group=None,
+    )  # fmt: skip
+
+
+def flat(state: dict) -> dict:
+    return {k: v.clone() for k, v in state["model"].state_dict().items()} | {
+        f"opt.{k}": v.clone() for k, v in _tensors(state["optimizer"].state_dict()).items()
+    }
+
+
+def _tensors(tree, prefix="") -> dict:
+    out = {}
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_tensors(v, f"{prefix}.{k}"))
+    return out
+
+
+def save_node(memory_dir, state, step, local_world_size=2) -> list[MemoryTier]:
+    """Every local rank of one node saves ``state`` after ``step``; returns the tiers (writes done)."""
+    tiers = [tier(memory_dir, local_rank=r, local_world_size=local_world_size) for r in range(local_world_size)]
+    for t in tiers:
+        t.survey(state, fresh=False)
+    for t in tiers:
+        t.save(step, state)
+    for t in tiers:
+        t.close()
+    return tiers
+
+
+# --- format ----------------------------------------------------------------------------------
+
+
+def test_run_dir_name_is_file_name_safe_and_carries_the_identity():
+    assert run_dir_name("my run/../x", "abc") == "my_run_.._x-abc"
+    assert run_dir_name("", "abc") == "run-abc"
+
+
+def test_a_part_reads_back_verified_and_a_damaged_byte_is_caught(tmp_path):
+    data = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+    path = tmp_path / "part.bin"
+    size, sha = write_part(path, [memoryview(data.numpy()).cast("B")])
+    record = PartRecord(3, 0, 1, size, sha, "d")
+    assert torch.equal(read_part(path, record), data)
+    raw = bytearray(path.read_bytes())
+    raw[1234] ^= 1
+    path.write_bytes(raw)
+    with pytest.raises(MemoryFormatError, match="does not match its checksum"):
+        read_part(path, record)
+    path.write_bytes(raw[:-1])
+    with pytest.raises(MemoryFormatError, match="holds 3999 bytes; its record says 4000"):
+        read_part(path, record)
+    path.unlink()
+    with pytest.raises(MemoryFormatError, match="is missing"):
+        read_part(path, record)
+
+
+def test_a_record_of_another_format_is_refused():
+    with pytest.raises(MemoryFormatError, match="format 1"):
+        PartRecord.from_json({"format": 2}, "x.json")
+    with pytest.raises(MemoryFormatError, match="non-negative integers"):
+        PartRecord.from_json({"format": 1, "step": -1, "part": 0, "parts": 1, "size": 0, "sha256": "", "digest": ""}, "x")
+
+
+# --- commit rule and slots ---------------------------------------------------------------------
+
+
+def test_a_state_is_complete_only_when_every_part_is_committed_for_one_step(tmp_path):
+    state, _ = make_state(1)
+    save_node(tmp_path, state, step=5)
+    node = NodeMemory(tmp_path, "job", "0123456789abcdef")
+    newest = node.newest()
+    assert newest is not None and newest.step == 5 and len(newest.records) == 2
+    # One local rank's part missing: incomplete.
+    node.uncommit(newest.slot, 1)
+    assert node.complete(newest.slot) is None
+    # Its record back, but naming another step: still incomplete.
+    other = newest.records[1]
+    node.commit(newest.slot, PartRecord(6, other.part, other.parts, other.size, other.sha256, other.digest))
+    assert node.complete(newest.slot) is None
+    # A part file of another size than recorded: incomplete.
+    node.commit(newest.slot, newest.records[1])
+    assert node.complete(newest.slot) is not None
+    (node.slot_path(newest.slot) / "part-00001.bin").write_bytes(b"short")
+    assert node.complete(newest.slot) is None
+
+
+def test_saves_alternate_slots_and_a_save_cut_short_leaves_the_previous_state(tmp_path):
+    state, model = make_state(1)
+    t = [tier(tmp_path, local_rank=r, local_world_size=2) for r in range(2)]
+    for x in t:
+        x.survey(state, fresh=False)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        for x in t:
+            x.save(step, state)
+        for x in t:
+            assert x._wait_writer()
+    node = NodeMemory(tmp_path, "job", "0123456789abcdef")
+    states = sorted((node.complete(s) for s in (0, 1)), key=lambda s: s.step)
+    assert [s.step for s in states] == [2, 3] and {s.slot for s in states} == {0, 1}
+    # Step 4 starts on rank 0 only (the node dies before rank 1 writes): step 3 is still there.
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    t[0].save(4, state)
+    assert t[0]._wait_writer()
+    assert node.newest().step == 3
+    for x in t:
+        x.close()
+
+
+def test_a_save_waits_for_the_nodes_other_ranks_before_overwriting_their_last_complete_state(tmp_path):
+    state, _ = make_state(1)
+    t = [tier(tmp_path, local_rank=r, local_world_size=2) for r in range(2)]
+    for x in t:
+        x.survey(state, fresh=False)
+        x.timeout_s = 0.3
+    t[0].save(1, state)
+    t[1].save(1, state)
+    assert t[0]._wait_writer() and t[1]._wait_writer()
+    t[0].save(2, state)
+    assert t[0]._wait_writer()
+    # Rank 1 never saved step 2, so rank 0 must not overwrite the slot of step 1 with step 3.
+    t[0].save(3, state)
+    assert not t[0]._wait_writer()
+    assert "did not finish the memory-tier save of step 2" in t[0].failed
+    node = NodeMemory(tmp_path, "job", "0123456789abcdef")
+    assert node.newest().step == 1
+    for x in t:
+        x.close()
+
+
+# --- restore -----------------------------------------------------------------------------------
+
+
+def test_a_node_state_restores_bitwise_into_fresh_objects(tmp_path):
+    saved, _ = make_state(1)
+    expected = flat(saved)
+    save_node(tmp_path, saved, step=7, local_world_size=3)
+    target, _ = make_state(2)
+    assert not all(torch.equal(expected[k], v) for k, v in flat(target).items())
+    reader = tier(tmp_path)
+    survey = reader.survey(target, fresh=False)
+    assert [(c.node, c.step) for c in survey.candidates()] == [(0, 7)]
+    assert reader.restore(survey, 0, target)
+    got = flat(target)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert target["count"].seen == 1
+    reader.close()
+
+
+def test_a_damaged_part_is_refused_before_anything_is_loaded(tmp_path):
+    saved, _ = make_state(1)
+    save_node(tmp_path, saved, step=7)
+    node = NodeMemory(tmp_path, "job", "0123456789abcdef")
+    path = node.slot_path(node.newest().slot) / "part-00001.bin"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    path.write_bytes(raw)
+    target, _ = make_state(2)
+    before = flat(target)
+    reader = tier(tmp_path)
+    survey = reader.survey(target, fresh=False)
+    assert reader.restore(survey, 0, target) is False
+    assert all(torch.equal(v, before[k]) for k, v in flat(target).items())
+    reader.close()
+
+
+def test_a_fresh_start_forgets_the_nodes_states(tmp_path):
+    saved, _ = make_state(1)
+    save_node(tmp_path, saved, step=7)
+    reader = tier(tmp_path)
+    survey = reader.survey(saved, fresh=True)
+    assert survey.candidates() == []
+    reader.close()
+
+
+def test_a_state_that_does_not_fit_the_registered_objects_is_a_clear_error(tmp_path):
+    saved, _ = make_state(1)
+    save_node(tmp_path, saved, step=7)
+    model = torch.nn.Linear(2, 2)
+    target = {"model": ModelState(model), "optimizer": OptimizerState(model, torch.optim.SGD(model.parameters(), lr=1)),
+              "count": Counter()}  # fmt: skip
+    reader = tier(tmp_path)
+    survey = reader.survey(target, fresh=False)
+    with pytest.raises(MemoryTierError, match="does not fit this run's registered objects") as info:
+        reader.restore(survey, 0, target)
+    assert "'model'" in str(info.value) and "memory_overhead=0" in str(info.value)
+    reader.close()
+
+
+# --- space, clean-up, interval -------------------------------------------------------------------
+
+
+def test_too_little_room_is_one_clear_error_naming_the_setting_and_the_ways_out(tmp_path, monkeypatch):
+    state, _ = make_state(1)
+    monkeypatch.setattr(NodeMemory, "free_bytes", lambda self: 1000)
+    with pytest.raises(MemoryTierError) as info:
+        tier(tmp_path).survey(state, fresh=False)
+    text = str(info.value)
+    for needle in ("checkpoint.memory_dir", "only 0.00 MiB (1,000 bytes) is free", "--shm-size", "checkpoint.memory_overhead=0"):
+        assert needle in text
+
+
+def test_two_nodes_sharing_one_directory_turn_the_tier_off_instead_of_mixing_their_parts(tmp_path):
+    t = tier(tmp_path)
+    t.store.open()
+    offers = (NodeOffer(0, 0, 0, 42, 9, 1, 9, 10, 10**9), NodeOffer(1, 1, 0, 42, 9, 1, 9, 10, 10**9))
+    survey = t._check(Survey(offers), "")
+    assert not t.enabled and "give each agent its own --checkpoint.memory_dir" in t.disabled
+    assert survey.candidates() == []
+
+
+def test_an_ended_runs_directory_is_removed_and_a_live_ones_is_kept(tmp_path):
+    live = NodeMemory(tmp_path, "other", "1111111111111111")
+    live.open()
+    ended = NodeMemory(tmp_path, "ended", "2222222222222222")
+    ended.open()
+    ended.close()
+    unrelated = tmp_path / "not-ours"
+    unrelated.mkdir()
+    state, _ = make_state(1)
+    t = tier(tmp_path)
+    t.survey(state, fresh=False)
+    assert live.path.exists() and not ended.path.exists() and unrelated.exists()
+    # The live run's lock is held: an exclusive attempt fails (what the clean-up relies on).
+    fd = os.open(live.path / "lock", os.O_RDWR)
+    with pytest.raises(BlockingIOError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+    live.close()
+    t.close()
+    t.remove()
+    assert not t.store.path.exists()
+
+
+def test_the_interval_follows_the_agreed_stall_and_step_time(tmp_path):
+    state, _ = make_state(1)
+    t = tier(tmp_path, every=0, overhead=0.02)
+    t.survey(state, fresh=False)
+    t.after_step(1, state, None)
+    assert t.saves == 1 and t.interval == 1
+    # Agreed: a save stalls 10 ms, a step takes 100 ms: 2 % of 100 ms is 2 ms -> every 5 steps.
+    t.after_step(2, state, (0.010, 0.100))
+    assert t.interval == 5 and t.saves == 2
+    for step in range(3, 7):
+        t.after_step(step, state, (0.010, 0.100))
+    assert t.saves == 2
+    t.after_step(7, state, (0.010, 0.100))
+    assert t.saves == 3
+    assert NodeMemory(tmp_path, "job", "0123456789abcdef").last_step() == 7
+    t.close()
+
+
+def test_interval_policy():
+    assert interval(0.0, 0.1, 0.02) == (1, "no measurement yet: every step")
+    assert interval(0.001, 0.1, 0.02)[0] == 1
+    assert interval(0.0021, 0.1, 0.02)[0] == 2
+    steps, why = interval(100.0, 0.001, 0.02)
+    assert steps == MAX_INTERVAL and "capped" in why
+    with pytest.raises(ValueError, match="must be positive"):
+        interval(1.0, 1.0, 0.0)
+
+
+def test_resume_choice_takes_the_newest_state_anywhere():
+    assert choose_resume([Candidate(1, 57), Candidate(0, 56)], 50).tier == "memory"
+    choice = choose_resume([Candidate(1, 57), Candidate(0, 57)], 50)
+    assert (choice.tier, choice.node, choice.step) == ("memory", 0, 57)
+    assert choose_resume([Candidate(0, 50)], 50).tier == "memory"  # memory wins a tie
+    assert choose_resume([Candidate(0, 49)], 50).tier == "durable"
+    assert (choose_resume([], 50).tier, choose_resume([], None).tier) == ("durable", "none")
+
+
+def test_the_settings_are_validated_with_the_field_named():
+    from elastic_ddp.config import ConfigError, load_config
+
+    cfg = load_config([])
+    assert (cfg.checkpoint.memory_dir, cfg.checkpoint.memory_overhead, cfg.checkpoint.memory_every_steps) == (
+        "/dev/shm/elastic_ddp", 0.02, 0
+    )
+    for flag in ("--checkpoint.memory_overhead=1.5", "--checkpoint.memory_overhead=-0.1", "--checkpoint.memory_every_steps=-1"):
+        with pytest.raises(ConfigError, match=flag.split("=")[0].removeprefix("--")):
+            load_config([flag])
+
+
+def test_an_overhead_of_zero_turns_the_tier_off(tmp_path):
+    state, _ = make_state(1)
+    t = tier(tmp_path, overhead=0.0)
+    assert t.survey(state, fresh=False) is None
+    t.after_step(1, state, None)
+    assert t.saves == 0 and list(tmp_path.iterdir()) == []
