@@ -3,6 +3,7 @@
     python benchmarks/run.py --out /tmp/bench                 # everything, ~15 min; rewrites benchmarks/RESULTS.md
     python benchmarks/run.py --only rendezvous --out /tmp/b   # one comparison (repeatable flag)
     python benchmarks/run.py --smoke --out /tmp/b             # tiny sizes, < 2 min; RESULTS.md goes into --out
+    python benchmarks/run.py --render-from /tmp/b1 /tmp/b2    # RESULTS.md from earlier runs' JSON (later wins)
 
 Every comparison alternates its variants over several repeats and reports medians, ranges and
 per-repeat ratios (see benchmarks/common.py). Writes ``<out>/<name>.json`` per comparison and
@@ -33,27 +34,71 @@ from benchmarks.report import render  # noqa: E402
 COMPARISONS = {
     "contention": "benchmarks.bench_contention",
     "rendezvous": "benchmarks.bench_rendezvous",
+    "rdzv_join": "benchmarks.bench_rdzv_join",
+    "rdzv_idle": "benchmarks.bench_rdzv_idle",
     "checkpoint": "benchmarks.bench_checkpoint",
     "resume": "benchmarks.bench_resume",
+    "sampler": "benchmarks.bench_sampler",
     "training": "benchmarks.bench_training",
     "metrics": "benchmarks.bench_metrics",
     "recovery": "benchmarks.bench_recovery",
+    "grace": "benchmarks.bench_grace",
+    "memory_tier": "benchmarks.bench_memory_tier",
 }
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for the JSON results (created)")
+    parser.add_argument("--out", help="directory for the JSON results (created)")
+    parser.add_argument(
+        "--render-from", nargs="+", metavar="DIR", default=[],
+        help="run nothing: write RESULTS.md from the <name>.json files of earlier runs (a later DIR wins); "
+        "every comparison must be present",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: checks that everything runs")
     parser.add_argument("--only", action="append", choices=sorted(COMPARISONS), help="run only this comparison")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per comparison (default: 1 smoke, 3 full)")
     parser.add_argument("--work-dir", default="", help="scratch directory on the disk to test (default: a temp dir)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.out and not args.render_from:
+        parser.error("--out DIR is required (or --render-from DIR ...)")
+    return args
+
+
+def render_from(dirs: list[str]) -> int:
+    """RESULTS.md from the per-comparison JSON of earlier full runs (``--only`` runs included)."""
+    found: dict[str, dict] = {}
+    machines = []
+    for directory in map(Path, dirs):
+        results = directory / "results.json"
+        if results.exists():
+            machines.append(json.loads(results.read_text())["machine"])
+        for name in COMPARISONS:
+            path = directory / f"{name}.json"
+            if path.exists():
+                data = json.loads(path.read_text())
+                if data.get("smoke"):
+                    print(f"error: {path} is from a smoke run; only full runs go into RESULTS.md", file=sys.stderr)
+                    return 2
+                found[name] = data
+    missing = [name for name in COMPARISONS if name not in found]
+    if missing or not machines:
+        print(f"error: no results for {', '.join(missing) or 'the machine'} in {', '.join(dirs)}", file=sys.stderr)
+        return 2
+    machine = dict(machines[-1])
+    dates = sorted({m["date"] for m in machines})
+    if len(dates) > 1:
+        machine["date"] = f"{dates[0]} to {dates[-1]} (comparisons from {len(dates)} runs on this machine)"
+    RESULTS_MD.write_text(render(machine, [found[name] for name in COMPARISONS]))
+    print(f"Wrote {RESULTS_MD} from {len(found)} comparisons", flush=True)
+    return 1 if any("error" in data for data in found.values()) else 0
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.render_from:
+        return render_from(args.render_from)
     # dcp.save/load in one process without a process group (checkpoint, resume) says so every call.
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     out = Path(args.out)

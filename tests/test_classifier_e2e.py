@@ -86,13 +86,15 @@ def references(etcd_server, tmp_path_factory):
 def test_kill_9_and_resume_with_nn_dropout_is_bitwise_identical(references, etcd_endpoint, tmp_path):
     ref_history, ref_weights = references[0.1]
     # Rank 0 stalls at the start of step 25, so the kill finds steps 21-24 trained but not saved.
-    first = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="first", dropout=0.1,
+    # The memory tier off: this is the durable tier's resume (tests/test_memory_tier_e2e.py has the other).
+    durable_only = ["--checkpoint.memory_overhead=0"]
+    first = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="first", dropout=0.1, flags=durable_only,
                 env={"ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip
     first.wait_for_commit(HALF, timeout=180)
     first.wait_for_step(24)
     first.nodes[0].kill()  # kill -9 of the agent and both workers
     first.cleanup()
-    again = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="again", dropout=0.1)
+    again = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="again", dropout=0.1, flags=durable_only)
     output = finish(again)
     assert resumed_steps(output) == [HALF], output[-4000:]
     history = read_ledger(again.run_dir)  # the killed attempt's steps 21-24 are superseded

@@ -49,11 +49,13 @@ def samples_per_epoch() -> int:
     return len(ByteWindows(load_corpus(CorpusConfig(max_bytes=MAX_BYTES)), BLOCK))
 
 
-def run(endpoint: str, root: Path, run_id: str, *, nproc: int, attempt: str, exit_at: int = 0, env=None) -> Job:
+def run(
+    endpoint: str, root: Path, run_id: str, *, nproc: int, attempt: str, exit_at: int = 0, env=None, flags=()
+) -> Job:
     """Start one agent with ``nproc`` workers on the run ``run_id`` (its own rendezvous per attempt)."""
     job = Job(
         endpoint, root, nnodes="1", run_id=run_id, rdzv_id=f"{run_id}-{attempt}",
-        flags=[*FLAGS, f"--train.max_steps={MAX_STEPS}", f"--train.exit_at_step={exit_at}"],
+        flags=[*FLAGS, f"--train.max_steps={MAX_STEPS}", f"--train.exit_at_step={exit_at}", *flags],
         torchrun_flags=[f"--nproc-per-node={nproc}"],
         extra_env=env or {},
     )  # fmt: skip
@@ -133,13 +135,15 @@ def test_resume_at_the_same_world_size_is_bitwise_identical(reference, etcd_endp
 def test_resume_after_kill_9_past_the_committed_checkpoint_is_bitwise_identical(reference, etcd_endpoint, tmp_path):
     ref_history, ref_weights = reference
     # Rank 0 stalls at the start of step 25, so the kill finds steps 21-24 trained but not saved.
-    first = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="first",
+    # The memory tier off: this is the durable tier's resume (tests/test_memory_tier_e2e.py has the other).
+    durable_only = ["--checkpoint.memory_overhead=0"]
+    first = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="first", flags=durable_only,
                 env={"ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip
     first.wait_for_commit(HALF, timeout=180)
     first.wait_for_step(24)
     first.nodes[0].kill()  # kill -9 of the agent and both workers
     first.cleanup()
-    again = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="again")
+    again = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="again", flags=durable_only)
     output = finish(again)
     assert resumed_steps(output) == [HALF], output[-4000:]
     history = read_ledger(again.run_dir)  # the killed attempt's steps 21-24 are superseded

@@ -177,7 +177,9 @@ def test_repeated_sigterms_to_the_worker_process_group_do_not_kill_the_stop_chec
     finally:
         job.cleanup()
     output = job.output()
-    assert output.count("received again while stopping") >= 2, output[-4000:]
+    # The first two may reach Python as one (a signal that arrives while its handler is pending is
+    # folded into it); the third came while the checkpoint was being written.
+    assert output.count("received again while stopping") >= 1, output[-4000:]
     stop_step = committed(job.run_dir / "checkpoints")[-1]
     assert f"step-{stop_step:09d}" in output and stop_step >= 8
 

@@ -3,12 +3,17 @@ regression MLP, Adam, LambdaLR -- unlike both recipes) gets the guarantees under
 
 * ``torchrun --standalone``: it trains, and the same command launched again (with more steps) resumes
   from its newest checkpoint -- the run is named after the script, not after torchrun's random id;
+* ``torchrun --standalone --max-restarts=3`` with one worker killed: the agent restarts the group,
+  which resumes from the newest checkpoint and trains to the end (each round gets a worker store
+  of its own, so the restarted workers can connect);
 * two agents through etcd, one killed with its worker: the survivor resumes from the newest checkpoint
   and the job's history consumes exactly the samples of the data order, each step once.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +23,7 @@ import pytest
 
 from elastic_ddp.data import DataCursor, ElasticSampler, read_ledger
 from tests.helpers.job import REPO, Job, env, resumed_steps, steps
+from tests.helpers.nodes import descendants, start_node, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +39,16 @@ def expected_order(num_steps: int) -> list[list[int]]:
     return batches
 
 
-def standalone(root: Path, *flags: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+def standalone_command(root: Path, *flags: str, torchrun_flags: tuple[str, ...] = ()) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *torchrun_flags,
         str(SKELETON), f"--run.root={root}", f"--train.global_batch_size={BATCH}", "--data.ledger=true",
         "--checkpoint.every_steps=10", "--logging.every_steps=5", *flags,
     ]  # fmt: skip
-    return subprocess.run(command, env=env(), capture_output=True, text=True, timeout=240)
+
+
+def standalone(root: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(standalone_command(root, *flags), env=env(), capture_output=True, text=True, timeout=240)
 
 
 def test_standalone_trains_and_the_same_command_launched_again_resumes(tmp_path):
@@ -53,6 +62,27 @@ def test_standalone_trains_and_the_same_command_launched_again_resumes(tmp_path)
     history = read_ledger(run_dir)
     assert [entry.all_indices for entry in history.values()] == expected_order(40)
     assert {entry.world_size for entry in history.values()} == {2}
+
+
+def test_standalone_recovers_a_killed_worker_and_finishes(tmp_path):
+    # torch shares the agent's TCPStore with the workers by default; restarted workers of a
+    # --standalone agent then failed to connect ("Connection refused") until --max-restarts was spent.
+    command = standalone_command(tmp_path, "--train.max_steps=60", torchrun_flags=("--max-restarts=3", "--monitor-interval=0.5"))
+    node = start_node(command, env(), tmp_path / "agent.log")
+    try:
+        wait_for(lambda: "Checkpoint committed at" in node.output() and steps(node.output())[-1:] >= [(15, 2)],
+                 180, what="step 15 and a committed checkpoint")  # fmt: skip
+        workers = [pid for pid in descendants(node.pid) if SKELETON.name in Path(f"/proc/{pid}/cmdline").read_text()]
+        os.kill(workers[-1], signal.SIGKILL)
+        code = node.wait(timeout=240)
+    finally:
+        node.cleanup()
+    output = node.output()
+    assert code == 0, output[-6000:]
+    assert resumed_steps(output), f"the restarted group did not resume from a checkpoint\n{output[-4000:]}"
+    assert max(s for s, _ in steps(output)) == 60, output[-4000:]
+    history = read_ledger(tmp_path / SKELETON.stem)
+    assert [entry.all_indices for entry in history.values()] == expected_order(60)
 
 
 def test_two_agents_through_etcd_one_killed_survivor_resumes_with_the_same_samples(etcd_endpoint, tmp_path):
