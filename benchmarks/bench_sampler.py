@@ -61,7 +61,8 @@ def _measure(variant: str, samples: int, batch: int, steps: int) -> dict[str, fl
 
 
 def run(ctx: Context) -> Result:
-    samples = 1_000_000 if ctx.smoke else 100_000_000
+    # Smoke: large enough that the peer's lists move the peak RSS (at 1M they may fit in freed pages).
+    samples = 5_000_000 if ctx.smoke else 100_000_000
     batch, steps = 1024, 20 if ctx.smoke else 100
     measured = alternate(
         {name: (lambda i, name=name: _measure(name, samples, batch, steps)) for name in ("elastic", "distributed")},

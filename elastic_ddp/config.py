@@ -244,12 +244,13 @@ class CheckpointConfig(Section):
         ),
     )
     memory_overhead: float = Field(
-        default=0.02,
+        default=0.0,
         ge=0,
         le=1,
         description=(
-            "Budget of the memory tier as a fraction of step time: saves to node memory happen every step when "
-            "their measured stall fits, else as often as it allows. 0 turns the memory tier off."
+            "Budget of the memory tier as a fraction of step time (0.02 is a good start): saves to node memory "
+            "happen every step when their measured stall fits, else as often as it allows. 0 (the default) "
+            "turns the memory tier off; the deploy manifests turn it on with 0.02 and size /dev/shm for it."
         ),
     )
     memory_every_steps: int = Field(

@@ -340,7 +340,13 @@ class Run:
         )
         self._checkpoints.check_shared_storage()
         self._memory = self._memory_tier()
+        fresh_optimizer = not optimizer.state
         self._resume()
+        if self.resumed_tier is None and fresh_optimizer:
+            # Sizing the state (the memory tier's survey, a load's templates) makes torch allocate an
+            # unstepped optimizer's state with a zero-gradient step; kept, it would count as a step
+            # (Adam's bias correction) and this run would differ from one that never asked.
+            optimizer.state.clear()
         self._metrics = create_metrics(
             self.cfg.logging, rank=self.rank, run_dir=self.cfg.run.dir,
             resume_step=self.step if self.resumed_tier is not None else None,

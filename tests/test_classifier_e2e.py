@@ -15,6 +15,7 @@ learning rate halving every 15 steps:
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ REL_L2_BOUND = 1e-4
 
 def run(endpoint: str, root: Path, run_id: str, *, nproc: int, attempt: str, dropout: float, flags=(), env=None) -> Job:
     job = Job(
-        endpoint, root, nnodes="1", run_id=run_id, rdzv_id=f"{run_id}-{attempt}", recipe=CLASSIFIER,
+        endpoint, root, nnodes="1", run_id=run_id, rdzv_id=f"{run_id}-{attempt}-{uuid.uuid4().hex[:6]}", recipe=CLASSIFIER,
         flags=[*FLAGS, f"--model.dropout={dropout}", *flags], torchrun_flags=[f"--nproc-per-node={nproc}"],
         extra_env=env or {},
     )  # fmt: skip

@@ -22,6 +22,7 @@ epoch boundaries; dropout is on, so the per-sample dropout seeds are exercised t
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,7 @@ def run(
 ) -> Job:
     """Start one agent with ``nproc`` workers on the run ``run_id`` (its own rendezvous per attempt)."""
     job = Job(
-        endpoint, root, nnodes="1", run_id=run_id, rdzv_id=f"{run_id}-{attempt}",
+        endpoint, root, nnodes="1", run_id=run_id, rdzv_id=f"{run_id}-{attempt}-{uuid.uuid4().hex[:6]}",
         flags=[*FLAGS, f"--train.max_steps={MAX_STEPS}", f"--train.exit_at_step={exit_at}", *flags],
         torchrun_flags=[f"--nproc-per-node={nproc}"],
         extra_env=env or {},

@@ -330,7 +330,7 @@ def test_the_settings_are_validated_with_the_field_named():
 
     cfg = load_config([])
     assert (cfg.checkpoint.memory_dir, cfg.checkpoint.memory_overhead, cfg.checkpoint.memory_every_steps) == (
-        "/dev/shm/elastic_ddp", 0.02, 0
+        "/dev/shm/elastic_ddp", 0.0, 0
     )
     for flag in ("--checkpoint.memory_overhead=1.5", "--checkpoint.memory_overhead=-0.1", "--checkpoint.memory_every_steps=-1"):
         with pytest.raises(ConfigError, match=flag.split("=")[0].removeprefix("--")):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -40,11 +41,12 @@ MAX_STEPS, DURABLE_EVERY = 200, 50
 FLAGS = [
     f"--train.max_steps={MAX_STEPS}", "--train.global_batch_size=16", "--data.ledger=true",
     f"--checkpoint.every_steps={DURABLE_EVERY}", "--checkpoint.keep_last=10", "--checkpoint.memory_every_steps=1",
+    "--checkpoint.memory_overhead=0.02",
 ]  # fmt: skip
 
 
 def start(endpoint: str, root: Path, run_id: str, attempt: str, nnodes: str, machines: list[str]) -> Job:
-    job = Job(endpoint, root, nnodes=nnodes, run_id=run_id, rdzv_id=f"{run_id}-{attempt}", recipe=CLASSIFIER, flags=FLAGS)
+    job = Job(endpoint, root, nnodes=nnodes, run_id=run_id, rdzv_id=f"{run_id}-{attempt}-{uuid.uuid4().hex[:6]}", recipe=CLASSIFIER, flags=FLAGS)
     for machine in machines:
         add_machine(job, root, machine)
     return job

@@ -369,8 +369,8 @@ def test_a_one_rank_launch_trains_then_resumes_exactly_with_more_steps(script, t
 
 
 def test_a_run_killed_mid_way_resumes_from_node_memory_at_the_last_completed_step(script, tmp_path):
-    flags = ("--train.max_steps=6", "--checkpoint.every_steps=3", "--checkpoint.memory_every_steps=1",
-             f"--checkpoint.memory_dir={tmp_path / 'shm'}")  # fmt: skip
+    flags = ("--train.max_steps=6", "--checkpoint.every_steps=3", "--checkpoint.memory_overhead=0.02",
+             "--checkpoint.memory_every_steps=1", f"--checkpoint.memory_dir={tmp_path / 'shm'}")  # fmt: skip
     killed = script("mem", *flags, ELASTIC_DDP_FAULT="kill@5")  # SIGKILL at the start of step 5
     assert killed.returncode == -9, killed.stderr
     assert [number for number, _ in lines(killed, "STEP")] == [1, 2, 3, 4]
