@@ -377,13 +377,17 @@ def test_a_run_killed_mid_way_resumes_from_node_memory_at_the_last_completed_ste
 
     again = script("mem", *flags)
     assert again.returncode == 0, again.stderr
-    assert "START 4 False memory" in again.stdout  # step 4 from memory, not step 3 from the durable tier
-    assert [number for number, _ in lines(again, "STEP")] == [5, 6]
+    # Step 4 from memory -- or step 3 when the kill beat the background write of step 4's state;
+    # either way from memory, at most one step redone.
     records = [json.loads(line) for line in (tmp_path / "mem" / "tiny" / "failures.jsonl").read_text().splitlines()]
-    assert [(r["kind"], r["tier"], r["step"], r["steps_redone"]) for r in records] == [("resume", "memory", 4, 0)]
+    [(kind, tier, resumed, redone)] = [(r["kind"], r["tier"], r["step"], r["steps_redone"]) for r in records]
+    assert (kind, tier, resumed) in {("resume", "memory", 4), ("resume", "memory", 3)}, records
+    assert redone == 4 - resumed, records
+    assert f"START {resumed} False memory" in again.stdout
+    assert [number for number, _ in lines(again, "STEP")] == list(range(resumed + 1, 7))
 
     straight = script("straight", "--train.max_steps=6", "--checkpoint.every_steps=3")
-    assert lines(killed, "STEP") + lines(again, "STEP") == lines(straight, "STEP")
+    assert lines(killed, "STEP")[:resumed] + lines(again, "STEP") == lines(straight, "STEP")
     assert lines(again, "WEIGHTS") == lines(straight, "WEIGHTS")
     assert [p for p in (tmp_path / "shm").iterdir() if (p / "run.json").exists()] == []  # freed at the end
 
