@@ -36,7 +36,7 @@ from elastic_ddp.checkpoint.layout import Layout, file_name, plan
 from elastic_ddp.checkpoint.shards import read_file, write_file
 from elastic_ddp.checkpoint.staging import Source, Staged, as_buffer, byte_view
 from elastic_ddp.checkpoint.storage import Storage, StorageError, join
-from elastic_ddp.checkpoint.tree import Path, TensorSpec, TreeError, flatten, leaf, path_text, unflatten
+from elastic_ddp.checkpoint.tree import Path, TensorSpec, TreeError, flatten_named, leaf, path_text, unflatten
 
 
 @dataclass(frozen=True)
@@ -60,30 +60,16 @@ def snapshot(state: Mapping[str, Any], rank_state: Mapping[str, Any] | None) -> 
 
     Raises :class:`TreeError` naming the path of a value a checkpoint cannot hold.
     """
-    trees, tensors, paths = {}, [], []
-    for name, sd in state.items():
-        encoded, found, where = flatten(sd, (name,))
-        trees[name] = _shift(encoded, len(tensors))
-        tensors.extend(found)
-        paths.extend(where)
+    trees, tensors, paths = flatten_named(state)
     specs = tuple(TensorSpec.of(t) for t in tensors)
     digest = hashlib.sha256(
         json.dumps([[path_text(p), s.to_json()] for p, s in zip(paths, specs)]).encode()
     ).hexdigest()
     rank_trees, rank_tensors = None, []
     if rank_state:
-        rank_trees = {}
-        for name, sd in rank_state.items():
-            encoded, found, _ = flatten(sd, (name,))
-            rank_trees[name] = _shift(encoded, len(rank_tensors))
-            rank_tensors.extend(found)
+        rank_trees, rank_tensors, _ = flatten_named(rank_state)
     return Snapshot(trees, tuple(tensors), specs, rank_trees, tuple(rank_tensors), digest)
 
-
-def _shift(encoded: Any, offset: int) -> Any:
-    """Renumber the tensor references of one tree by ``offset`` (trees are flattened one by one)."""
-    if not offset:
-        return encoded
     if isinstance(encoded, list):
         return [_shift(v, offset) for v in encoded]
     if isinstance(encoded, dict):

@@ -143,6 +143,39 @@ def flatten(tree: Any, path: Path = ()) -> tuple[Any, list[torch.Tensor], list[P
     return walk(tree, path), tensors, paths
 
 
+def flatten_named(trees: Mapping[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor], list[Path]]:
+    """:func:`flatten` of each named tree, tensor references numbered across all of them.
+
+    ``(encoded, tensors, paths)``: ``encoded[name]`` is that tree's encoding; its references index
+    the shared ``tensors``, and ``paths[i]`` (starting with the name) is where ``tensors[i]`` sits.
+    """
+    encoded: dict[str, Any] = {}
+    tensors: list[torch.Tensor] = []
+    paths: list[Path] = []
+    for name, tree in trees.items():
+        enc, found, where = flatten(tree, (name,))
+        encoded[name] = _shift(enc, len(tensors))
+        tensors.extend(found)
+        paths.extend(where)
+    return encoded, tensors, paths
+
+
+def _shift(encoded: Any, offset: int) -> Any:
+    """Renumber the tensor references of one encoded tree by ``offset``."""
+    if not offset:
+        return encoded
+    if isinstance(encoded, list):
+        return [_shift(v, offset) for v in encoded]
+    if isinstance(encoded, dict):
+        [(kind, value)] = encoded.items()
+        if kind == "tensor":
+            return {"tensor": value + offset}
+        if kind == "tuple":
+            return {"tuple": [_shift(v, offset) for v in value]}
+        return {"dict": [[k, _shift(v, offset)] for k, v in value]}
+    return encoded
+
+
 def _decode_key(data: Any, where: str) -> Any:
     if _scalar(data):
         return data

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.checkpoint.layout import Layout, plan
-from elastic_ddp.checkpoint.tree import TensorSpec, TreeError, flatten, leaf, path_text, unflatten
+from elastic_ddp.checkpoint.tree import TensorSpec, TreeError, flatten_named, leaf, path_text, unflatten
 from elastic_ddp.memory.policy import Candidate, interval
 from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord
 
@@ -110,33 +110,6 @@ def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
     return {name: obj.state_dict() for name, obj in state.items()}
 
 
-def _flatten_state(trees: Mapping[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor], list[tuple]]:
-    """``{name: encoded tree}`` with tensor references numbered across all names, the tensors, their paths."""
-    encoded, tensors, paths = {}, [], []
-    for name, tree in trees.items():
-        offset = len(tensors)
-        enc, found, where = flatten(tree, (name,))
-        encoded[name] = _renumber(enc, offset)
-        tensors.extend(found)
-        paths.extend(where)
-    return encoded, tensors, paths
-
-
-def _renumber(node: Any, offset: int) -> Any:
-    if not offset:
-        return node
-    if isinstance(node, list):
-        return [_renumber(v, offset) for v in node]
-    if isinstance(node, dict):
-        [(kind, value)] = node.items()
-        if kind == "tensor":
-            return {"tensor": value + offset}
-        if kind == "tuple":
-            return {"tuple": [_renumber(v, offset) for v in value]}
-        return {"dict": [[k, _renumber(v, offset)] for k, v in value]}
-    return node
-
-
 def _byte_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of a contiguous ``tensor`` as uint8 (a view)."""
     return tensor.detach().reshape(-1)[start:stop].view(torch.uint8)
@@ -197,7 +170,7 @@ class MemoryTier:
         """
         if not self.enabled:
             return None
-        _, tensors, _ = _flatten_state(_state_dicts(state))
+        _, tensors, _ = flatten_named(_state_dicts(state))
         need = 2 * sum(t.numel() * t.element_size() for t in tensors) + SPACE_MARGIN
         newest, last, free = None, None, 0
         problem = ""
@@ -406,7 +379,7 @@ class MemoryTier:
         if not self._wait_writer():
             return time.perf_counter() - started
         trees = _state_dicts(state)
-        encoded, tensors, paths = _flatten_state(trees)
+        encoded, tensors, paths = flatten_named(trees)
         specs = tuple(TensorSpec.of(t) for t in tensors)
         if self._plan is None or self._plan[0] != specs:
             layout = plan(specs, list(range(self.local_world_size)), files_per_writer=1, min_file_bytes=0)
