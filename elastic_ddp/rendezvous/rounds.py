@@ -12,7 +12,8 @@ A run's rendezvous is one small *round record* plus one key per node that regist
 * A node registers for round R by writing ``<run>/joins/<R>/<node>`` under its own lease. The
   members of a completed round are the registrations that existed at the revision of the write
   that completed it (``completed_at``), at most ``max_nodes`` of them; a node's rank is the number
-  of member keys that sort before its own.
+  of member keys that sort before its own. A node that finds round R complete and full registers
+  for R as well, as a *spare*: its key is newer than ``completed_at``, so it is no member.
 
 The previous round's registrations tell a round who is still expected. A node that arrives while
 a group trains opens the next round, but that round's last call starts only once a node of the
@@ -20,6 +21,7 @@ previous round has come over (or left): the newcomer alone must not form a round
 is still stopping its workers to admit it -- torch's wait list has the same effect. And a round
 completes as soon as every registration of the previous round has moved to it or ended, without
 waiting out the last call: after a preemption, a crash, or a join, everyone expected is there.
+Spares are among those registrations, so the members left after a departure wait for them.
 Only a node that vanished without a trace (its lease still running) makes the others wait the
 last call.
 
