@@ -159,3 +159,32 @@ def test_keep_alive_moves_to_another_member_when_its_member_stops_answering(etcd
         keep.close()
         client.close()
         proxy.close()
+
+
+def test_a_read_only_transaction_is_sent_as_range_reads_of_one_revision(etcd_client, etcd_prefix, monkeypatch):
+    # etcd before 3.5.5 (the bundled one is 3.5.1) crashes when a client's deadline cancels a
+    # read-only Txn while it is served (etcd-io/etcd#14110): such a txn must never be sent.
+    prefix = f"{etcd_prefix}/read-only/"
+    for i in range(3):
+        etcd_client.put(f"{prefix}a/{i}", "x")
+    etcd_client.put(f"{prefix}b/0", "x")
+
+    def no_txn(*args, **kwargs):
+        raise AssertionError("a read-only Txn request was sent")
+
+    monkeypatch.setattr(etcd_client._raw.kvstub, "Txn", no_txn)
+    read, reads = etcd_client.range, []
+
+    def read_then_write(request: Range):
+        result = read(request)
+        if not reads:
+            etcd_client.put(f"{prefix}b/1", "x")  # lands between the two reads
+        reads.append(request)
+        return result
+
+    monkeypatch.setattr(etcd_client, "range", read_then_write)
+    result = etcd_client.txn([], [Range.prefix(f"{prefix}a/", count_only=True), Range.prefix(f"{prefix}b/", count_only=True)])
+    assert result.succeeded and [r.count for r in result.results] == [3, 1]  # both as of the first read
+    assert reads[1].revision == result.revision == result.results[0].revision
+    monkeypatch.undo()
+    assert etcd_client.range(Range.prefix(f"{prefix}b/", count_only=True)).count == 2

@@ -180,6 +180,21 @@ def test_a_full_round_keeps_a_spare_which_takes_part_when_a_member_leaves(run, e
     assert ranks([*join_all(a), spare.result(timeout=150)]) == [(0, 2), (1, 2)]
 
 
+def test_a_node_whose_lease_ends_while_it_waits_for_a_round_registers_again(run, etcd_client):
+    def registrations() -> int:
+        return etcd_client.range(Range.prefix(run.keys.base + "joins/", count_only=True)).count
+
+    first = Joining(run(2, 2, "10.0.0.1", join_timeout="20"))
+    wait_for(lambda: registrations() == 1 and first.handler._lease is not None, 30, what="the first registration")
+    lease = first.handler._lease
+    # As when its renewals were starved past the TTL: etcd drops the lease and the key under it.
+    etcd_client.revoke_lease(lease)
+    wait_for(lambda: registrations() == 1 and first.handler._lease not in (None, lease), 30,
+             what="the node to register again under a new lease")  # fmt: skip
+    second = Joining(run(2, 2, "10.0.0.2", join_timeout="20"))
+    assert ranks([first.result(), second.result()]) == [(0, 2), (1, 2)]
+
+
 def test_shutdown_closes_the_rendezvous_and_takes_the_nodes_registration_with_it(run, etcd_client):
     a, b = run(1, 2, "10.0.0.1"), run(1, 2, "10.0.0.2")
     join_all(a, b)
@@ -273,4 +288,18 @@ def test_membership_survives_an_etcd_outage_longer_than_the_lease(run, tmp_path)
             stop.wait(0.1)
         with EtcdClient(own.endpoint) as client:
             assert client.range(Range.prefix(run.keys.base + "joins/", count_only=True)).count == 2
+        a.leave(), b.leave()
+
+
+def test_a_join_rides_out_etcd_being_down_and_completes_once_it_is_back(run, tmp_path):
+    with EtcdServer(tmp_path / "etcd") as own:
+        a = run(2, 2, "10.0.0.1", endpoint=own.endpoint, read_timeout="1")
+        b = run(2, 2, "10.0.0.2", endpoint=own.endpoint, read_timeout="1")
+        own.stop()
+        first = Joining(a)  # its first requests fail: etcd is not there
+        time.sleep(3)
+        assert first.thread.is_alive() and first.error is None
+        own.start()
+        second = Joining(b)
+        assert ranks([first.result(), second.result()]) == [(0, 2), (1, 2)]
         a.leave(), b.leave()

@@ -226,6 +226,17 @@ def test_multi_get_and_multi_set_handle_more_keys_than_one_transaction_may_hold(
     assert store.check(keys) and not store.check([*keys, "absent"])
 
 
+def test_multi_get_reads_keys_with_many_others_between_them(store, monkeypatch):
+    store.multi_set([f"m/{i:03d}" for i in range(200)], [b"x"] * 200)  # sort between "m/" and "m/zz"
+    store.multi_set(["m/", "m/zz"], [b"first", b"last"])
+    spans = []
+    read = store._client.range
+    monkeypatch.setattr(store._client, "range", lambda request: spans.append(request) or read(request))
+    assert store.multi_get(["m/zz", "m/"]) == [b"last", b"first"]
+    # The span held 202 keys for 2 wanted: read one by one instead (pinned to one revision).
+    assert spans[0].limit and [r.key for r in spans[1:]] == [store._key("m/zz"), store._key("m/")]
+
+
 def test_deleting_a_range_of_rounds_takes_their_add_ledger_along(store, etcd_client):
     for round_ in (1, 2, 3):
         dist.PrefixStore(f"round-{round_:012d}", store).add("barrier", 1)
@@ -313,3 +324,25 @@ def test_an_add_whose_reply_is_lost_is_applied_once_after_failover(etcd_endpoint
         s.close()
         client.close()
         proxy.close()
+
+
+def test_a_blocking_get_rides_out_etcd_being_down_until_its_own_timeout(tmp_path):
+    from elastic_ddp.etcd_server import EtcdServer
+    from elastic_ddp.rendezvous.client import EtcdClient
+
+    with EtcdServer(tmp_path / "etcd") as own, EtcdClient(own.endpoint, timeout=1) as client:
+        waiting = EtcdV3Store(client, "/ride-out/", timeout=timedelta(seconds=60), lease_ttl=60)
+        got: list = []
+        own.stop()
+        reader = threading.Thread(target=lambda: got.append(waiting.get("MASTER_ADDR")), daemon=True)
+        reader.start()
+        time.sleep(3)  # several failed reads
+        assert reader.is_alive()
+        own.start()
+        with EtcdClient(own.endpoint) as other:
+            writer = EtcdV3Store(other, "/ride-out/", lease_ttl=60)
+            writer.set("MASTER_ADDR", "node-0")
+            reader.join(30)
+            writer.close()
+        assert got == [b"node-0"]
+        waiting.close()

@@ -30,6 +30,7 @@ from typing import Any
 __all__ = ["AgentSpec", "etcd_metrics", "process_cpu_s", "simulate"]
 
 BLOB_BACKEND = "etcd-blob"
+GRPC_WAIT_SLICE_S = 2.0  # see _agent_process
 METRICS = (
     "etcd_server_proposals_committed_total",
     "etcd_mvcc_db_total_size_in_bytes",
@@ -88,6 +89,15 @@ def _agent_process(spec: AgentSpec, first: int, count: int, ready, results, go, 
 
         blob_handler.register(BLOB_BACKEND)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # each round's rank 0 publishes its own address
+    # gRPC's Python client wakes every thread that waits on a stream every 0.1 s, only so that a
+    # main thread's signal handlers get to run (grpc._common.MAXIMUM_WAIT_TIMEOUT). An agent on a
+    # node of its own has two such threads: negligible. Hundreds of agents in one process on a
+    # few cores make that thousands of wake-ups a second, which starve the agents' own lease
+    # renewals -- a cost of packing agents together, not of any handler. No agent here is a
+    # main thread; a longer slice changes nothing else. The same for every variant.
+    import grpc._common
+
+    grpc._common.MAXIMUM_WAIT_TIMEOUT = GRPC_WAIT_SLICE_S
     handlers = []
     for index in range(first, first + count):
         params = RendezvousParameters(
@@ -127,12 +137,15 @@ def _agent_process(spec: AgentSpec, first: int, count: int, ready, results, go, 
     release.wait()
     for thread in threads:
         thread.join(30)
+    # Reported before leaving: each departure reaches every member still watching, which on one
+    # machine is O(N^2) events (N per node on real nodes) and would make the teardown, not the
+    # join, the long part of a sample. simulate() gives the leaving a bounded time.
+    results.put({"kind": "released", "waiting_seen": waiting_seen[0]})
     for handler in handlers:
         try:
             handler.shutdown()
         except Exception:  # noqa: BLE001 - leaving is best effort; the next job uses another etcd
             pass
-    results.put({"kind": "released", "waiting_seen": waiting_seen[0]})
 
 
 def simulate(

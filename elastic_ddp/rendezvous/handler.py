@@ -65,7 +65,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic_ddp.rendezvous.client import (
-    Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdError, EtcdLeaseNotFoundError, KeyValue, LeaseKeepAlive,
+    Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError, KeyValue, LeaseKeepAlive,
     Put, Range, TxnResult, WatchStream,
 )  # fmt: skip
 from elastic_ddp.rendezvous.rounds import COMPLETE, LAST_CALL, OPEN, RoundRecord, Seen, Step, decide, node_key
@@ -90,6 +90,9 @@ _PREVIOUS_RECHECK_S = 1.0
 # does before its first round: of 1,000 nodes starting together, most then see the record the
 # first one created (through their watch) instead of each sending a transaction that fails.
 _CREATE_JITTER_S = 0.3
+# A join step that etcd did not answer is tried again after this pause, doubling up to the maximum.
+_RETRY_PAUSE_S = 0.5
+_MAX_RETRY_PAUSE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class _Knowledge:
     last_call: tuple[int, int, float] | None = None  # (round, record revision, due)
     spare: bool = False
     create_delayed: bool = False
+    deadline: float = 0.0  # monotonic; the join timeout's (a spare that may take part gets a new one)
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -185,6 +189,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._keep_alive = LeaseKeepAlive(client, settings.keep_alive_deadline, name=f"rdzv-keep-alive-{local_id}")
         self._lock = threading.Lock()
         self._lease: int | None = None
+        self._lease_lost = False  # this node's lease ended (renewals starved or etcd unreachable)
         self._run_lease_renewed = False
         self._registered: int | None = None  # the round this node has a registration key in
         self._joined: int | None = None  # the last round this node was a member of
@@ -313,92 +318,145 @@ class EtcdRendezvousHandler(RendezvousHandler):
     # -- joining -------------------------------------------------------------------------------
 
     def _join(self) -> tuple[int, int, int]:
-        """The protocol loop: (rank, world size, round) once a round completed with this node."""
+        """The protocol loop: (rank, world size, round) once a round completed with this node.
+
+        etcd being slow or out of reach (a leader election, a restarted or overloaded member) does
+        not fail the join while its timeout lasts: the step is tried again after a pause. Every
+        write of the protocol is a compare-and-set on the round record or a put of this node's own
+        key, so a step whose reply was lost can be repeated.
+        """
         if self._finished:
             raise RendezvousClosedError(f"The node '{self._node_text}' has left the rendezvous '{self._settings.run_id}'.")
+        known = _Knowledge(deadline=time.monotonic() + self._settings.join_timeout)
+        pause, failing_since = _RETRY_PAUSE_S, None
+        while True:
+            try:
+                member = self._join_step(known)
+            except EtcdConnectionError as exc:
+                now = time.monotonic()
+                if now + pause >= known.deadline:
+                    raise
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("etcd did not answer node '%s' while it joins the rendezvous '%s' (%s); trying again "
+                                "until the join timeout.", self._node_text, self._settings.run_id, exc)  # fmt: skip
+                time.sleep(pause * random.uniform(0.5, 1.5))  # jittered: 1,000 nodes do not retry in step
+                pause = min(pause * 2, _MAX_RETRY_PAUSE_S)
+                continue
+            if failing_since is not None:
+                log.warning("etcd answers node '%s' again after %.1f s.", self._node_text, time.monotonic() - failing_since)
+                pause, failing_since = _RETRY_PAUSE_S, None
+            if member is not None:
+                return member
+
+    def _join_step(self, known: _Knowledge) -> tuple[int, int, int] | None:
+        """One decision of the protocol and its step: (rank, world size, round) once this node is
+        a member of a completed round, else None."""
         settings = self._settings
-        deadline = time.monotonic() + settings.join_timeout
+        if self._finished:
+            raise RendezvousClosedError(f"The node '{self._node_text}' has left the rendezvous '{settings.run_id}'.")
         self._ensure_lease()
         self._view.start()
-        known = _Knowledge()
-        while True:
-            if self._finished:
-                raise RendezvousClosedError(f"The node '{self._node_text}' has left the rendezvous '{settings.run_id}'.")
-            if self._view.take_resync():
-                self._view.refresh()
-            snap = self._view.snapshot()
-            self._renew_run_lease(snap)
-            record = snap.record
-            now = time.monotonic()
-            due = self._last_call_due(record, snap, known, now)
-            size = known.size[1] if known.size and record and known.size[0] == record.round else None
-            seen = Seen(
-                record, self._registered, known.count, known.previous_left, self._joined, known.rejected, size,
-                bool(self._view.gone()) if known.spare else False, due, known.spare,
-            )  # fmt: skip
-            step, why = decide(seen, settings.min_nodes, settings.max_nodes, now, deadline)
-            log.debug("Rendezvous '%s', node '%s': %s, because %s.", settings.run_id, self._node_text, step.value, why)
-            try:
-                if step is Step.CHECK_MEMBERSHIP:
-                    member = self._membership(record, known)
-                    if member is not None:
-                        return member
-                elif step is Step.CREATE:
-                    if known.create_delayed:
-                        self._create(snap, known)
-                    else:
-                        known.create_delayed = True
-                        self._view.wait(snap.version, random.uniform(0, _CREATE_JITTER_S))
-                elif step is Step.REGISTER:
-                    self._register(snap, known, record.round, opening=False, previous=record.previous)
-                elif step is Step.OPEN_NEXT:
-                    if known.spare:  # as in torch: a spare that may take part gets a fresh join deadline
-                        deadline = time.monotonic() + settings.join_timeout
-                        known.spare = False
-                        self._view.stop_following()
-                    self._register(snap, known, record.round + 1, opening=True, previous=self._total(record, known))
-                elif step is Step.MARK_LAST_CALL:
-                    self._mark_last_call(snap, known)
-                elif step is Step.COMPLETE:
-                    self._complete(snap, known)
-                elif step is Step.MEASURE:
-                    known.size = (record.round, *self._round_size(record))
-                elif step is Step.WAIT_FOR_PREVIOUS:
-                    self._wait(snap, min(_PREVIOUS_RECHECK_S, max(deadline - time.monotonic(), 0.0)))
-                    self._recount(record, known)
-                elif step is Step.WAIT:
-                    wake = min(deadline, due if due is not None else deadline) - time.monotonic()
-                    self._wait(snap, min(max(wake, 0.0), _MAX_WAIT_S))
-                elif step is Step.WAIT_REDUNDANT:
-                    if self._registered != record.round and not self._register_as_spare(snap, known):
-                        continue  # the record moved on: decide again
-                    if not known.spare:
-                        known.spare = True
-                        self._view.follow_members(record.round, record.completed_at, None)
-                        log.info("Round %d of the rendezvous '%s' is full; the node '%s' waits as a spare.",
-                                 record.round, settings.run_id, self._node_text)  # fmt: skip
-                    self._wait(snap, _MAX_WAIT_S)
-                elif step is Step.TIMEOUT:
-                    self._withdraw()
-                    raise RendezvousTimeoutError(
-                        f"The node '{self._node_text}' could not join the rendezvous '{settings.run_id}' within the "
-                        f"join timeout ({settings.join_timeout:g} s): {why}."
-                    )
-                elif step is Step.CLOSED:
-                    raise RendezvousClosedError(f"The rendezvous '{settings.run_id}' is closed.")
-                elif step is Step.GRACEFUL_EXIT:
-                    raise RendezvousGracefulExitError(f"The rendezvous '{settings.run_id}' is closed; {why}.")
-            except EtcdLeaseNotFoundError:
-                # A lease named in the write ended: this node's (etcd unreachable for longer than
-                # its TTL; its registration went with it) or the run's (the round record with it).
-                # Start over with a new lease and a fresh look at the record.
-                log.warning("A lease of the rendezvous ended under node '%s'; registering again.", self._node_text)
-                with self._lock:
-                    self._lease = None
-                self._registered = None
-                known.count = None
-                self._ensure_lease()
-                self._view.refresh()
+        if self._view.take_resync():
+            self._view.refresh()
+        if self._take_lost_lease():
+            self._register_again(known)
+        snap = self._view.snapshot()
+        self._renew_run_lease(snap)
+        record = snap.record
+        now = time.monotonic()
+        due = self._last_call_due(record, snap, known, now)
+        size = known.size[1] if known.size and record and known.size[0] == record.round else None
+        seen = Seen(
+            record, self._registered, known.count, known.previous_left, self._joined, known.rejected, size,
+            bool(self._view.gone()) if known.spare else False, due, known.spare,
+        )  # fmt: skip
+        step, why = decide(seen, settings.min_nodes, settings.max_nodes, now, known.deadline)
+        log.debug("Rendezvous '%s', node '%s': %s, because %s.", settings.run_id, self._node_text, step.value, why)
+        try:
+            if step is Step.CHECK_MEMBERSHIP:
+                member = self._membership(record, known)
+                if member is not None:
+                    return member
+            elif step is Step.CREATE:
+                if known.create_delayed:
+                    self._create(snap, known)
+                else:
+                    known.create_delayed = True
+                    self._view.wait(snap.version, random.uniform(0, _CREATE_JITTER_S))
+            elif step is Step.REGISTER:
+                self._register(snap, known, record.round, opening=False, previous=record.previous)
+            elif step is Step.OPEN_NEXT:
+                if known.spare:  # as in torch: a spare that may take part gets a fresh join deadline
+                    known.deadline = time.monotonic() + settings.join_timeout
+                    known.spare = False
+                    self._view.stop_following()
+                self._register(snap, known, record.round + 1, opening=True, previous=self._total(record, known))
+            elif step is Step.MARK_LAST_CALL:
+                self._mark_last_call(snap, known)
+            elif step is Step.COMPLETE:
+                self._complete(snap, known)
+            elif step is Step.MEASURE:
+                known.size = (record.round, *self._round_size(record))
+            elif step is Step.WAIT_FOR_PREVIOUS:
+                self._wait(snap, min(_PREVIOUS_RECHECK_S, max(known.deadline - time.monotonic(), 0.0)))
+                self._recount(record, known)
+            elif step is Step.WAIT:
+                wake = min(known.deadline, due if due is not None else known.deadline) - time.monotonic()
+                self._wait(snap, min(max(wake, 0.0), _MAX_WAIT_S))
+            elif step is Step.WAIT_REDUNDANT:
+                if self._registered != record.round and not self._register_as_spare(snap, known):
+                    return None  # the record moved on: decide again
+                if not known.spare:
+                    known.spare = True
+                    self._view.follow_members(record.round, record.completed_at, None)
+                    log.info("Round %d of the rendezvous '%s' is full; the node '%s' waits as a spare.",
+                             record.round, settings.run_id, self._node_text)  # fmt: skip
+                self._wait(snap, _MAX_WAIT_S)
+            elif step is Step.TIMEOUT:
+                self._withdraw()
+                raise RendezvousTimeoutError(
+                    f"The node '{self._node_text}' could not join the rendezvous '{settings.run_id}' within the "
+                    f"join timeout ({settings.join_timeout:g} s): {why}."
+                )
+            elif step is Step.CLOSED:
+                raise RendezvousClosedError(f"The rendezvous '{settings.run_id}' is closed.")
+            elif step is Step.GRACEFUL_EXIT:
+                raise RendezvousGracefulExitError(f"The rendezvous '{settings.run_id}' is closed; {why}.")
+        except EtcdLeaseNotFoundError:
+            # A lease named in the write ended: this node's (etcd unreachable for longer than
+            # its TTL; its registration went with it) or the run's (the round record with it).
+            # Start over with a new lease and a fresh look at the record.
+            log.warning("A lease of the rendezvous ended under node '%s'; registering again.", self._node_text)
+            with self._lock:
+                self._lease = None
+            self._registered = None
+            known.count = None
+            self._ensure_lease()
+            self._view.refresh()
+
+    def _take_lost_lease(self) -> bool:
+        """True once after this node's lease ended (see :meth:`_on_lease_expired`)."""
+        with self._lock:
+            lost, self._lease_lost = self._lease_lost, False
+            return lost
+
+    def _register_again(self, known: _Knowledge) -> None:
+        """This node's lease ended while it was joining: its registration went with it, so the
+        round would wait for a node that no longer counts (or complete without it). Register again,
+        under a new lease -- unless the round it registered for already completed with it: the
+        registration existed at ``completed_at``, so it is a member, and the others will see it
+        leave and start a new round."""
+        record = self._view.snapshot().record
+        registered = self._registered
+        member = (record is not None and record.state == COMPLETE and record.round == registered
+                  and known.rejected != registered)  # fmt: skip
+        if registered is None or member:
+            return
+        log.warning("The lease of node '%s' ended while it waited in round %d of the rendezvous '%s'; it registers "
+                    "again.", self._node_text, registered, self._settings.run_id)  # fmt: skip
+        self._registered = None  # a spare registers again as a spare (WAIT_REDUNDANT)
+        known.count = None
 
     def _last_call_due(self, record: RoundRecord | None, snap: Snapshot, known: _Knowledge, now: float) -> float | None:
         """When this node completes a round in last call: the node that started the last call
@@ -431,6 +489,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         with self._lock:
             if self._lease == lease:
                 self._lease = None
+                self._lease_lost = True
+        self._view.wake()  # a join waiting in a round must register again (see _register_again)
         log.warning("etcd reports that the lease of node '%s' has ended: the other nodes see it as gone. It "
                     "joins again at its next rendezvous.", self._node_text)  # fmt: skip
 

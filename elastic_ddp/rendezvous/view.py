@@ -149,6 +149,11 @@ class RoundView:
                 self._cond.wait(remaining)
             return True
 
+    def wake(self) -> None:
+        """Wake whoever waits on the view (something outside it changed: the node's lease ended)."""
+        with self._cond:
+            self._set(replace(self._snapshot, version=self._snapshot.version + 1))
+
     def _set(self, snapshot: Snapshot) -> None:
         self._snapshot = snapshot
         self._cond.notify_all()
