@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_ddp.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
-from elastic_ddp.rendezvous.client import EtcdClient, Range
+from elastic_ddp.rendezvous.client import EtcdClient, EtcdConnectionError, Range
 from elastic_ddp.rendezvous.handler import ENV_RDZV_ROUND, EtcdRendezvousHandler
 from elastic_ddp.rendezvous.rounds import LAST_CALL, RoundRecord, node_key
 from elastic_ddp.rendezvous.view import RunKeys
@@ -291,13 +291,23 @@ def test_membership_survives_an_etcd_outage_longer_than_the_lease(run, tmp_path)
         a.leave(), b.leave()
 
 
-def test_a_join_rides_out_etcd_being_down_and_completes_once_it_is_back(run, tmp_path):
+def test_a_join_rides_out_etcd_being_down_and_completes_once_it_is_back(run, tmp_path, monkeypatch):
     with EtcdServer(tmp_path / "etcd") as own:
         a = run(2, 2, "10.0.0.1", endpoint=own.endpoint, read_timeout="1")
         b = run(2, 2, "10.0.0.2", endpoint=own.endpoint, read_timeout="1")
+        failed, step = [], a._join_step
+
+        def counted_step(known):
+            try:
+                return step(known)
+            except EtcdConnectionError:
+                failed.append(time.monotonic())
+                raise
+
+        monkeypatch.setattr(a, "_join_step", counted_step)
         own.stop()
         first = Joining(a)  # its first requests fail: etcd is not there
-        time.sleep(3)
+        wait_for(lambda: len(failed) >= 2, 30, what="two join steps that etcd did not answer")
         assert first.thread.is_alive() and first.error is None
         own.start()
         second = Joining(b)

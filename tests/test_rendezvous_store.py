@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier, synchronize
 
 from elastic_ddp.rendezvous.store import EtcdV3Store
+from tests.helpers.nodes import wait_for
 
 
 @pytest.fixture
@@ -326,17 +327,27 @@ def test_an_add_whose_reply_is_lost_is_applied_once_after_failover(etcd_endpoint
         proxy.close()
 
 
-def test_a_blocking_get_rides_out_etcd_being_down_until_its_own_timeout(tmp_path):
+def test_a_blocking_get_rides_out_etcd_being_down_until_its_own_timeout(tmp_path, monkeypatch):
     from elastic_ddp.etcd_server import EtcdServer
-    from elastic_ddp.rendezvous.client import EtcdClient
+    from elastic_ddp.rendezvous.client import EtcdClient, EtcdConnectionError
 
     with EtcdServer(tmp_path / "etcd") as own, EtcdClient(own.endpoint, timeout=1) as client:
         waiting = EtcdV3Store(client, "/ride-out/", timeout=timedelta(seconds=60), lease_ttl=60)
         got: list = []
+        failed, read = [], client.range
+
+        def counted_read(request):
+            try:
+                return read(request)
+            except EtcdConnectionError:
+                failed.append(time.monotonic())
+                raise
+
+        monkeypatch.setattr(client, "range", counted_read)
         own.stop()
         reader = threading.Thread(target=lambda: got.append(waiting.get("MASTER_ADDR")), daemon=True)
         reader.start()
-        time.sleep(3)  # several failed reads
+        wait_for(lambda: len(failed) >= 2, 30, what="two reads that etcd did not answer")
         assert reader.is_alive()
         own.start()
         with EtcdClient(own.endpoint) as other:

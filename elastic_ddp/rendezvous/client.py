@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ from etcd3.etcdrpc import kv_pb2
 
 __all__ = [
     "DEFAULT_PORT",
+    "Backoff",
     "Compare",
     "DeleteRange",
     "EtcdAuthError",
@@ -626,10 +628,12 @@ class EtcdClient:
                 results.append(None)
         return TxnResult(bool(response.succeeded), revision, results)
 
-    def _read_together(self, ranges: Sequence[Range], attempts: int = 3) -> TxnResult:
+    def _read_together(self, ranges: Sequence[Range]) -> TxnResult:
         """``ranges`` as of one revision: the first at the newest, the others pinned to the
         revision it was served at (a range that names its own revision keeps it)."""
-        for attempt in range(1, attempts + 1):
+        pinned_by_caller = any(r.revision for r in ranges)
+        attempt = 1
+        while True:
             results: list[RangeResult | int | None] = []
             revision = 0
             try:
@@ -643,9 +647,9 @@ class EtcdClient:
             except EtcdCompactedError:
                 # Compacted between two of the reads: read again from the newest revision. (A
                 # caller's own revision would fail the same way every time.)
-                if attempt == attempts or any(r.revision for r in ranges):
+                if pinned_by_caller or attempt == 3:
                     raise
-        raise ValueError(f"attempts must be at least 1, not {attempts}.")
+                attempt += 1
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -744,6 +748,32 @@ class EtcdClient:
                 call.cancel()
 
         return self._call(once)
+
+
+class Backoff:
+    """Pauses between tries of something etcd did not answer, until a deadline.
+
+    Each pause doubles from ``first`` up to ``most`` seconds and is jittered (x0.5 to x1.5), so
+    that 1,000 nodes that lost etcd together do not come back in step. :meth:`pause` sleeps and
+    returns True, or returns False at once when the pause would end past ``deadline`` (monotonic)
+    -- the caller then gives up with the error it has.
+    """
+
+    def __init__(self, deadline: float, first: float = 0.5, most: float = 5.0) -> None:
+        self.deadline = deadline
+        self._first, self._most = first, most
+        self._next = first
+
+    def pause(self) -> bool:
+        if time.monotonic() + self._next >= self.deadline:
+            return False
+        time.sleep(self._next * random.uniform(0.5, 1.5))
+        self._next = min(self._next * 2, self._most)
+        return True
+
+    def reset(self) -> None:
+        """etcd answered: the next pause starts short again."""
+        self._next = self._first
 
 
 class LeaseKeeper:

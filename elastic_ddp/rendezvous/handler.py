@@ -65,8 +65,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic_ddp.rendezvous.client import (
-    Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError, KeyValue, LeaseKeepAlive,
-    Put, Range, TxnResult, WatchStream,
+    Backoff, Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError,
+    KeyValue, LeaseKeepAlive, Put, Range, TxnResult, WatchStream,
 )  # fmt: skip
 from elastic_ddp.rendezvous.rounds import COMPLETE, LAST_CALL, OPEN, RoundRecord, Seen, Step, decide, node_key
 from elastic_ddp.rendezvous.store import EtcdV3Store
@@ -90,9 +90,6 @@ _PREVIOUS_RECHECK_S = 1.0
 # does before its first round: of 1,000 nodes starting together, most then see the record the
 # first one created (through their watch) instead of each sending a transaction that fails.
 _CREATE_JITTER_S = 0.3
-# A join step that etcd did not answer is tried again after this pause, doubling up to the maximum.
-_RETRY_PAUSE_S = 0.5
-_MAX_RETRY_PAUSE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -328,24 +325,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._finished:
             raise RendezvousClosedError(f"The node '{self._node_text}' has left the rendezvous '{self._settings.run_id}'.")
         known = _Knowledge(deadline=time.monotonic() + self._settings.join_timeout)
-        pause, failing_since = _RETRY_PAUSE_S, None
+        backoff, failing_since = Backoff(known.deadline), None
         while True:
             try:
                 member = self._join_step(known)
             except EtcdConnectionError as exc:
-                now = time.monotonic()
-                if now + pause >= known.deadline:
-                    raise
+                backoff.deadline = known.deadline  # a spare that may take part got a new one
                 if failing_since is None:
-                    failing_since = now
+                    failing_since = time.monotonic()
                     log.warning("etcd did not answer node '%s' while it joins the rendezvous '%s' (%s); trying again "
                                 "until the join timeout.", self._node_text, self._settings.run_id, exc)  # fmt: skip
-                time.sleep(pause * random.uniform(0.5, 1.5))  # jittered: 1,000 nodes do not retry in step
-                pause = min(pause * 2, _MAX_RETRY_PAUSE_S)
+                if not backoff.pause():
+                    raise
                 continue
             if failing_since is not None:
                 log.warning("etcd answers node '%s' again after %.1f s.", self._node_text, time.monotonic() - failing_since)
-                pause, failing_since = _RETRY_PAUSE_S, None
+                backoff.reset()
+                failing_since = None
             if member is not None:
                 return member
 

@@ -41,7 +41,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elastic_ddp.rendezvous.client import (
-    Compare, DeleteRange, EtcdClient, EtcdConnectionError, EtcdError, KeyValue, LeaseKeeper, Put, Range,
+    Backoff, Compare, DeleteRange, EtcdClient, EtcdConnectionError, EtcdError, KeyValue, LeaseKeeper, Put, Range,
 )  # fmt: skip
 
 __all__ = ["DEFAULT_STORE_LEASE_TTL", "DEFAULT_STORE_TIMEOUT", "EtcdV3Store"]
@@ -236,8 +236,8 @@ class EtcdV3Store(dist.Store):
 
         One range read from the smallest of the keys to the largest: the many keys torch reads
         at once (one per node, e.g. ``role_info/<rank>``) sort together. Should other keys lie
-        between them, so that the span holds more than a few times as many keys as wanted, the
-        keys are read in batches of up to 128, as of one revision (range reads pinned to it; see
+        between them, so that the span holds more than a few times as many keys as wanted, each key
+        is read on its own, all as of one revision (range reads pinned to it; see
         :meth:`EtcdClient.txn` on why not one read-only transaction)."""
         wanted = list(dict.fromkeys(_to_bytes(k) for k in keys))
         if not wanted:
@@ -247,21 +247,15 @@ class EtcdV3Store(dist.Store):
         if span.count <= len(span.kvs):  # the whole span came back
             values = {kv.key: kv.value for kv in span.kvs}
             return {k: values[self._key(k)] for k in wanted if self._key(k) in values}, span.revision
-        found, revision = {}, None
-        for start in range(0, len(wanted), _MAX_TXN_OPS):
-            batch = wanted[start : start + _MAX_TXN_OPS]
-            result = self._etcd("read keys", self._client.txn, [], [Range(self._key(k)) for k in batch])
-            revision = result.revision if revision is None else min(revision, result.revision)
-            for key, read in zip(batch, result.results):
-                if read.kvs:
-                    found[key] = read.kvs[0].value
-        return found, revision or 0
+        result = self._etcd("read keys", self._client.txn, [], [Range(self._key(k)) for k in wanted])
+        found = {k: read.kvs[0].value for k, read in zip(wanted, result.results) if read.kvs}
+        return found, result.revision
 
     def _wait_read(self, keys: Sequence[str | bytes], timeout: timedelta | float | None) -> dict[bytes, bytes]:
         wanted = [_to_bytes(k) for k in keys]
         seconds = _seconds(self.timeout if timeout is None else timeout)
         deadline = time.monotonic() + seconds
-        pause = 0.5
+        backoff = Backoff(deadline)
         while True:
             try:
                 found, revision = self._read(wanted)
@@ -283,10 +277,8 @@ class EtcdV3Store(dist.Store):
             except dist.DistStoreError as exc:
                 # etcd did not answer in time (overloaded, electing a leader): the wait's own
                 # timeout, not one request's, decides when to give up.
-                if not isinstance(exc.__cause__, EtcdConnectionError) or time.monotonic() + pause >= deadline:
+                if not isinstance(exc.__cause__, EtcdConnectionError) or not backoff.pause():
                     raise
-                time.sleep(pause * random.uniform(0.5, 1.5))
-                pause = min(pause * 2, 5.0)
 
     def get(self, key: str | bytes) -> bytes:
         """The value of ``key``, waiting up to the store timeout for it to be set."""
