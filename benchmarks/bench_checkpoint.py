@@ -7,7 +7,7 @@ dir), then on a loopback S3 server (moto_server, through s3fs). Floors: ``memcpy
 share into preallocated host buffers (the async stall's floor), ``raw`` writes the state's bytes
 sequentially -- by 4 ranks in parallel (each its share) and by one process -- fsync'd on local disk.
 ``torch.save`` runs on rank 0 (fsync'd); ``dcp.save`` on every rank. The managers live across
-repeats, as in training. Rates are the state's tensor bytes over the wall time between barriers.
+repeats, as in training. Each method's previous output is deleted, untimed, before it runs. Rates are the state's tensor bytes over the wall time between barriers.
 """
 
 from __future__ import annotations
@@ -115,7 +115,9 @@ def run(ctx: Context) -> Result:
             f"{local['ranks']} ranks on one machine share its cores and its disk; on this 2-core machine every rank's "
             "hashing and copying competes for the same CPUs, so the parallel figures are a floor for real nodes.",
             "The page cache is not dropped between runs (a shared machine): every method writes into the same "
-            "warm cache and pays its own fsync. S3 is moto's in-memory server on loopback: it measures request "
+            "warm cache and pays its own fsync, and each method's previous output (the managers' checkpoints "
+            "included) is deleted, untimed, just before it runs, so none writes while an older copy of its "
+            "output still holds memory. S3 is moto's in-memory server on loopback: it measures request "
             "and protocol overhead, not a real network.",
             f"Environment: OMP_NUM_THREADS=1 per rank; {os.cpu_count()} cores.",
         ],

@@ -30,7 +30,7 @@ def _rows(data: dict, where: str) -> list[dict]:
         row(f"{where}: of which broadcast and load_state_dict (slowest rank)", m["exchange_s"], "s"),
         row(f"{where}: plain dcp.load on every rank (get_state_dict, dcp.load, set_state_dict)", d["s"], "s"),
         row(f"{where}: time, manager / dcp.load", ratios(m["s"], d["s"]), "ratio",
-            note="the manager also checks the SHA-256 of every byte it reads"),  # fmt: skip
+            note="the manager also checks the checksum of every byte it reads"),  # fmt: skip
         row(f"{where}: manager, storage bytes read / checkpoint size", m["read_ratio"], "ratio", Target("<=", 1.1)),
         row(f"{where}: dcp.load, storage bytes read / checkpoint size", d["read_ratio"], "ratio"),
     ]

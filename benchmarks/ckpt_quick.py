@@ -10,7 +10,6 @@ Reports medians; the disk here is noisy, so compare within a round and across ro
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import statistics
@@ -19,6 +18,7 @@ import time
 import torch
 
 from elastic_ddp.checkpoint import CheckpointManager
+from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.config import CheckpointConfig
 from elastic_ddp.state import ModelState, OptimizerState
 
@@ -48,7 +48,7 @@ def checksum_s_per_gb(mb: int = 512) -> float:
     data = os.urandom(mb << 20)
     view = memoryview(data)
     start = time.perf_counter()
-    h = hashlib.sha256()
+    h = mf.new_hasher()
     for i in range(0, len(data), 8 << 20):
         h.update(view[i : i + (8 << 20)])
     return (time.perf_counter() - start) / (mb / 1024)
@@ -87,7 +87,7 @@ def main() -> None:
     for key, values in rows.items():
         unit = "MB/s" if key.endswith("tput") else "s"
         print(f"{key:12s} median {statistics.median(values):8.3f} {unit}   all {[round(v, 3) for v in values]}")
-    print(f"sha256       {checksum_s_per_gb():.3f} s/GB (one core, in memory)")
+    print(f"{mf.CHECKSUM_ALGORITHM:12s} {checksum_s_per_gb():.3f} s/GB (one core, in memory)")
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

@@ -7,8 +7,10 @@ import logging
 import os
 import pickle
 import re
+import threading
 import uuid
 
+import blake3
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from elastic_ddp.checkpoint import (
     retention_plan,
 )
 from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.staging import ShareStager
 from elastic_ddp.config import CheckpointConfig
 from elastic_ddp.state import ModelState, OptimizerState, RNGState
@@ -185,7 +188,11 @@ def test_manifest_records_step_world_size_time_versions_identity_and_checksums(t
     assert manifest["versions"]["torch"] == torch.__version__ and "elastic_ddp" in manifest["versions"]
     on_disk = {p.name: p.stat().st_size for p in (tmp_path / "step-000000003").iterdir() if p.name != "manifest.json"}
     assert {n: f["size"] for n, f in manifest["files"].items()} == on_disk
-    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert manifest["format"] == 4 and manifest["checksum"] == "blake3"
+    step_dir = tmp_path / "step-000000003"
+    assert {n: f["blake3"] for n, f in manifest["files"].items()} == {
+        n: blake3.blake3((step_dir / n).read_bytes()).hexdigest() for n in on_disk
+    }
     assert "signature" not in manifest
 
 
@@ -253,6 +260,73 @@ def test_rank_state_is_not_restored_at_another_world_size(mem_url: str) -> None:
     assert not mgr.load(info, objects(model, opt))
 
 
+def _as_format_3(ckpt_dir) -> None:
+    """Rewrite a checkpoint's manifest as the previous format wrote it: SHA-256 checksums."""
+    import hashlib
+
+    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+    manifest.update(format=3, checksum="sha256")
+    manifest["files"] = {
+        name: {"size": rec["size"], "sha256": hashlib.sha256((ckpt_dir / name).read_bytes()).hexdigest()}
+        for name, rec in manifest["files"].items()
+    }
+    (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_of_the_previous_format_with_sha256_checksums_still_loads_and_is_still_verified(tmp_path) -> None:
+    model, opt = tiny()
+    snaps = save_steps(manager(str(tmp_path)), model, opt, [1, 2])
+    for step in (1, 2):
+        _as_format_3(tmp_path / f"step-00000000{step}")
+    assert ckpt_cli.main(["ckpt", "verify", str(tmp_path / "step-000000002")]) == 0
+    shard = tmp_path / "step-000000002" / "shard-00000-00.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    mgr = manager(str(tmp_path))
+    info = mgr.latest()
+    assert info.step == 1  # the damaged step 2 failed its SHA-256 check
+    fresh_model, fresh_opt = tiny(seed=5)
+    mgr.load(info, objects(fresh_model, fresh_opt))
+    assert_same(fresh_model, fresh_opt, snaps[1])
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"format": 5}, "has format 5; this version reads formats 3, 4"),
+    ({"checksum": "sha256"}, "names checksum 'sha256'; format 4 uses 'blake3'"),
+])  # fmt: skip
+def test_a_manifest_of_an_unknown_format_or_checksum_is_refused_naming_both(tmp_path, change, says) -> None:
+    model, opt = tiny()
+    save_steps(manager(str(tmp_path)), model, opt, [1])
+    path = tmp_path / "step-000000001" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(CheckpointError, match=re.escape(says)):
+        manager(str(tmp_path)).resolve("1")
+
+
+def test_a_blocking_save_returns_at_its_commit_and_retention_finishes_in_the_background(tmp_path, monkeypatch) -> None:
+    model, opt = tiny()
+    mgr = manager(str(tmp_path), keep_last=1)
+    save_steps(mgr, model, opt, [1])
+    release, deleting = threading.Event(), threading.Event()
+    remove_tree = mgr.storage.remove_tree
+
+    def slow_remove_tree(url: str) -> None:
+        if url.endswith("step-000000001"):
+            deleting.set()
+            assert release.wait(30)
+        remove_tree(url)
+
+    monkeypatch.setattr(mgr.storage, "remove_tree", slow_remove_tree)
+    train(model, opt)
+    assert mgr.save(2, objects(model, opt), blocking=True)  # returns while step 1 is being deleted
+    assert (tmp_path / "step-000000002" / "manifest.json").exists()
+    assert deleting.wait(30) and (tmp_path / "step-000000001").exists()
+    release.set()
+    assert mgr.wait()
+    assert [c.step for c in mgr.list()] == [2] and not (tmp_path / "step-000000001").exists()
+
+
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate"])
 def test_damaged_shard_fails_verify_and_latest_falls_back_with_a_warning(tmp_path, damage, caplog, capsys) -> None:
     model, opt = tiny()
@@ -287,10 +361,8 @@ def _plant(ckpt_dir, name: str, marker: str, *, rewrite_manifest: bool) -> bytes
     (ckpt_dir / name).write_bytes(payload)
     if rewrite_manifest:
         # An attacker who can write the bucket also fixes up the checksums, but cannot sign.
-        import hashlib
-
         manifest = json.loads((ckpt_dir / "manifest.json").read_text())
-        manifest["files"][name] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+        manifest["files"][name] = mf.FileRecord(name, len(payload), mf.hash_bytes(payload)).to_json()
         manifest.pop("signature", None)
         (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))
     return payload

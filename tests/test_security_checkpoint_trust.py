@@ -11,7 +11,6 @@ and never run the payload, which the test finally shows to be live.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -21,6 +20,7 @@ import fsspec
 import pytest
 
 from elastic_ddp.checkpoint import ENV_CHECKPOINT_KEY
+from elastic_ddp.checkpoint import manifest as mf
 from tests.helpers.job import Job, resumed_steps, steps
 
 
@@ -40,7 +40,7 @@ def _plant_index(fs, ckpt: str, marker: str) -> bytes:
     with fs.open(f"{ckpt}/index.json", "wb") as file:
         file.write(payload)
     manifest = json.loads(fs.cat_file(f"{ckpt}/manifest.json"))
-    manifest["files"]["index.json"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    manifest["files"]["index.json"] = mf.FileRecord("index.json", len(payload), mf.hash_bytes(payload)).to_json()
     manifest["bytes"] = sum(rec["size"] for rec in manifest["files"].values())
     with fs.open(f"{ckpt}/manifest.json", "wb") as file:
         file.write(json.dumps(manifest).encode())

@@ -3,6 +3,8 @@
 Every rank builds the same training state (ByteGPT + AdamW after one step, ``--mb`` MiB of tensors:
 DDP's replica), on its GPU when CUDA is available (nccl) and on the CPU otherwise (gloo). Each
 variant runs between two barriers and is timed on rank 0, alternating the order every repeat.
+Before a save variant runs, its previous output is deleted, untimed (the managers' checkpoints
+too, so their retention has nothing to delete): every method writes into the same free space.
 
 save:   memcpy   -- each rank copies its share of the state into preallocated host buffers
                     (pinned on GPUs): the floor of the async stall
@@ -169,6 +171,9 @@ def run_save(b: Bench, repeats: int) -> dict:
 
     def mgr_sync() -> float:
         step[0] += 1
+        # Like every other method's previous output, the previous checkpoint is deleted untimed
+        # (retention would otherwise delete it after this save, in the background).
+        sync.remove_all()
         seconds = b.timed(sync.save, step[0], b.state.objects(), blocking=True)
         if sync.last_error:
             raise RuntimeError(sync.last_error)
@@ -176,6 +181,7 @@ def run_save(b: Bench, repeats: int) -> dict:
 
     def mgr_async() -> dict:
         step[0] += 1
+        async_.remove_all()
         b.barrier()
         start = time.perf_counter()
         async_.save(step[0], b.state.objects(), blocking=False)

@@ -127,7 +127,7 @@ def read_index(storage: Storage, info: CheckpointInfo) -> ix.Index:
         mf.check_signature(info.manifest, mf.signing_key(), f"{info.url}/{mf.MANIFEST_NAME}")
     except mf.ManifestError as exc:
         raise CheckpointVerificationError(str(exc), mf.MANIFEST_NAME, str(exc)) from None
-    files = info.manifest["files"]
+    files = mf.file_records(info.manifest)
     record = files.get(ix.INDEX_NAME)
     if record is None:
         raise CheckpointVerificationError(
@@ -141,15 +141,15 @@ def read_index(storage: Storage, info: CheckpointInfo) -> ix.Index:
         ) from None
     except StorageError as exc:
         raise CheckpointVerificationError(str(exc), ix.INDEX_NAME, f"reading failed: {exc}") from exc
-    if len(data) != record["size"] or mf.hash_bytes(data) != record["sha256"]:
-        reason = "its size or SHA-256 does not match the manifest"
+    if len(data) != record.size or mf.hash_bytes(data, record.algorithm) != record.digest:
+        reason = f"its size or {record.algorithm.upper()} checksum does not match the manifest"
         raise CheckpointVerificationError(f"{ix.INDEX_NAME} of {info.url!r}: {reason}.", ix.INDEX_NAME, reason)
     try:
         index = ix.parse(data, f"{info.url}/{ix.INDEX_NAME}")
     except ix.IndexFormatError as exc:
         raise CheckpointVerificationError(str(exc), ix.INDEX_NAME, str(exc)) from None
     listed = {f.name: f.size for f in index.files}
-    in_manifest = {name: rec["size"] for name, rec in files.items() if name != ix.INDEX_NAME}
+    in_manifest = {name: rec.size for name, rec in files.items() if name != ix.INDEX_NAME}
     if listed != in_manifest or any(f.writer >= info.world_size for f in index.files):
         reason = "the files it lists are not the manifest's"
         raise CheckpointVerificationError(f"{ix.INDEX_NAME} of {info.url!r}: {reason}.", ix.INDEX_NAME, reason)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.errors import CheckpointError
 from elastic_ddp.checkpoint.catalog import list_checkpoints, read_checkpoint, read_index, verify_checkpoint
 from elastic_ddp.checkpoint.sharded import read_state
@@ -110,7 +111,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             return 1
         # Only the files holding the model's pieces are read (each checked as it streams in).
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            weights = read_state(storage, info.url, index, info.manifest["files"], [MODEL_STATE], pool)[MODEL_STATE]
+            weights = read_state(storage, info.url, index, mf.file_records(info.manifest), [MODEL_STATE], pool)[MODEL_STATE]
     except (CheckpointError, StorageError, TreeError) as exc:
         print(f"error: reading the model from {info.url} failed: {exc}", file=sys.stderr)
         return 1

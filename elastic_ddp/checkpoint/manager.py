@@ -17,7 +17,7 @@ Contracts:
   and writes only its share (:mod:`~elastic_ddp.checkpoint.layout`). Per-rank state is written by
   each rank for itself, and restored only at the same world size.
 * A resume reads every byte of the checkpoint once in total: each rank reads a share of the files,
-  checking their SHA-256 as they stream in (:meth:`latest` and :meth:`resolve` do this; the bytes
+  checking their checksums as they stream in (:meth:`latest` and :meth:`resolve` do this; the bytes
   are kept for :meth:`load`), and :meth:`load` hands the state to every rank over the process group
   (NCCL on GPUs, gloo on CPUs). Nothing of a checkpoint reaches a state object before every file
   it is made of checked out, and nothing is ever unpickled.
@@ -265,7 +265,9 @@ class CheckpointManager:
 
         ``blocking`` None follows ``cfg.async_save``. An async save returns once this rank's share is
         copied to host memory (on GPUs: once the copies are queued); the write and commit run in the
-        background. A previous save still in flight is waited for first. Failures do not raise: they
+        background. A blocking save returns once the checkpoint is committed; deleting the older
+        checkpoints that retention drops runs in the background either way. A previous save still
+        in flight (or its retention) is waited for first. Failures do not raise: they
         are logged, counted in ``failed_saves`` (and ``consecutive_failed_saves``) and described in
         ``last_error``. Returns False if a blocking save failed. Raises ``TypeError`` at once for
         state a checkpoint cannot hold (naming where it is).
@@ -292,7 +294,7 @@ class CheckpointManager:
         return True
 
     def wait(self) -> bool:
-        """Block until the save in flight (if any) is done; True unless the most recent save failed."""
+        """Block until the save in flight and its retention (if any) are done; True unless the most recent save failed."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
@@ -344,7 +346,12 @@ class CheckpointManager:
             self.rank, save.step, save.url, nbytes, elapsed, self.last_save.stall_s,
         )
         if self.rank == 0:
-            self._after_commit(save.step)
+            if save.stall_s is None:
+                # A blocking save: training waits for the commit, not for deleting older
+                # checkpoints (seconds of requests on S3); the next save, wait() or close() does.
+                self._pending = self._executor.submit(self._after_commit, save.step)
+            else:
+                self._after_commit(save.step)
         return True
 
     def _write_and_commit(self, save: _Save) -> tuple[int | None, int]:
@@ -630,7 +637,9 @@ class CheckpointManager:
         problem: CheckpointVerificationError | None = None
         buffers: dict[str, torch.Tensor] = {}
         try:
-            buffers = read_files(storage, info.url, files_to_read(index, holders, self.rank), info.manifest["files"], self._io)
+            buffers = read_files(
+                storage, info.url, files_to_read(index, holders, self.rank), mf.file_records(info.manifest), self._io
+            )
         except CheckpointVerificationError as exc:
             problem = exc
         failed = self._coll.first_failure(problem is not None)

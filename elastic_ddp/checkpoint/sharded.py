@@ -12,7 +12,7 @@ Writing (each participating rank, no collective inside):
 Reading (each rank that holds files; then exchange.distribute to the others):
 
     holders = layout.assign_holders([(f.name, f.writer, f.size) ...], readers, by_writer=...)
-    held = read_files(storage, dir_url, files_to_read, manifest_files, pool)   # verified as read
+    held = read_files(storage, dir_url, files_to_read, file_records(manifest), pool)  # verified as read
     dests, finish = destinations(index, names, templates)  # where each wanted tensor goes
     exchange.distribute(index, holders, held, dests, rank, transport); finish()
     trees = {name: restore_tree(index, name, dests)}       # then obj.load_state_dict(trees[name])
@@ -131,7 +131,7 @@ def write_files(
     sync: bool,
     rank: int,
 ) -> list[mf.FileRecord]:
-    """Write this rank's staged files into ``dir_url`` in parallel; their sizes and SHA-256.
+    """Write this rank's staged files into ``dir_url`` in parallel; their sizes and checksums.
 
     Waits for every write to end before raising the first failure, so nothing is still being
     written when the caller cleans up.
@@ -153,12 +153,12 @@ def read_files(
     storage: Storage,
     dir_url: str,
     names: Iterable[str],
-    expected: Mapping[str, Mapping[str, Any]],
+    expected: Mapping[str, mf.FileRecord],
     pool: concurrent.futures.Executor,
 ) -> dict[str, torch.Tensor]:
     """Read the files ``names`` into host buffers, each verified against ``expected`` as it streams.
 
-    ``expected``: the manifest's ``{name: {"size", "sha256"}}``. Raises
+    ``expected``: the manifest's records (:func:`manifest.file_records`). Raises
     :class:`CheckpointVerificationError` (naming the file and how it differs; a missing or
     unreadable file included) once every read has ended.
     """
@@ -167,10 +167,10 @@ def read_files(
         record = expected.get(name)
         if record is None:
             raise CheckpointVerificationError(f"The manifest does not list {name!r}.", name, "the manifest does not list it")
-        buffer = torch.empty(record["size"], dtype=torch.uint8)
+        buffer = torch.empty(record.size, dtype=torch.uint8)
         url = join(dir_url, name)
         try:
-            read_file(storage, url, as_buffer(buffer), sha256=record["sha256"])
+            read_file(storage, url, as_buffer(buffer), expected=record)
         except FileNotFoundError:
             raise CheckpointVerificationError(f"The file {url!r} is missing.", name, "the file is missing") from None
         except StorageError as exc:
@@ -263,7 +263,7 @@ def restore_rank_state(index: Index, rank: int, held: torch.Tensor, templates: M
 
 
 def read_state(
-    storage: Storage, dir_url: str, index: Index, expected: Mapping[str, Mapping[str, Any]], names: Iterable[str],
+    storage: Storage, dir_url: str, index: Index, expected: Mapping[str, mf.FileRecord], names: Iterable[str],
     pool: concurrent.futures.Executor,
 ) -> dict[str, Any]:
     """One process, no process group: the state dicts ``names`` with new CPU tensors.

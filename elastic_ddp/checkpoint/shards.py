@@ -1,10 +1,11 @@
 """Writing and reading one data file, hashing its bytes on the way (no second pass over them).
 
 A file is written from a sequence of byte buffers (staged host memory, or views of CPU tensors)
-and read back into one host buffer. In both directions SHA-256 runs in a thread of its own over the
-chunks just written or read, so hashing overlaps the I/O instead of following it (hashlib and
-file I/O both release the GIL). Chunks are at most :data:`CHUNK` bytes: large enough that per-call
-overhead vanishes, and one ranged request each on object stores.
+and read back into one host buffer. In both directions the checksum (BLAKE3; SHA-256 for format 3)
+runs in a thread of its own over the chunks just written or read, so hashing overlaps the I/O
+instead of following it (both hashes and file I/O release the GIL). Chunks are at most
+:data:`CHUNK` bytes: large enough that per-call overhead vanishes, and one ranged request each
+on object stores.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ CHUNK = 16 << 20
 
 
 class _Hasher:
-    """SHA-256 of the buffers given to :meth:`update`, computed in order by a thread of its own.
+    """The checksum of the buffers given to :meth:`update`, computed in order by a thread of its own.
 
     The buffers must not change until :meth:`hexdigest` returns (they are staged or read buffers
     that live longer than that).
     """
 
-    def __init__(self) -> None:
-        self._hash = mf.new_hasher()
+    def __init__(self, algorithm: str = mf.CHECKSUM_ALGORITHM) -> None:
+        self._hash = mf.new_hasher(algorithm)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ckpt-hash", daemon=True)
         self._thread.start()
@@ -66,7 +67,8 @@ def write_file(
 ) -> tuple[int, str]:
     """Write ``buffers`` (objects exposing the buffer protocol) back to back as ``url``.
 
-    Returns ``(size, sha256)`` of what was written. ``sync``: fsync before returning (local disk).
+    Returns ``(size, digest)`` of what was written, in :data:`manifest.CHECKSUM_ALGORITHM`.
+    ``sync``: fsync before returning (local disk).
     ``fault_rank``: this rank's number for the ``mid_write`` test fault point.
     """
     hasher = _Hasher()
@@ -87,16 +89,16 @@ def write_file(
         hasher.close()
 
 
-def read_file(storage: Storage, url: str, into: memoryview, *, sha256: str) -> int:
-    """Read ``url`` into ``into`` (exactly its expected size), checking the SHA-256 as it streams.
+def read_file(storage: Storage, url: str, into: memoryview, *, expected: mf.FileRecord) -> int:
+    """Read ``url`` into ``into`` (exactly its expected size), checking its checksum as it streams.
 
     Returns the number of bytes read. Raises :class:`CheckpointVerificationError` if the file is
-    shorter or longer than ``into`` or its hash is not ``sha256``; storage failures raise
+    shorter or longer than ``into`` or its checksum is not ``expected``'s; storage failures raise
     ``StorageError`` (``FileNotFoundError`` for a missing file).
     """
     name = basename(url)
     size = len(into)
-    hasher = _Hasher()
+    hasher = _Hasher(expected.algorithm)
     pos = 0
     try:
         with storage.open_read(url, sequential=True) as stream:
@@ -113,7 +115,7 @@ def read_file(storage: Storage, url: str, into: memoryview, *, sha256: str) -> i
     if pos != size or extra:
         reason = f"{pos} bytes were read, the manifest says {size}" if pos != size else f"it is longer than the {size} bytes the manifest says"
         raise CheckpointVerificationError(f"The file {name!r} at {url!r} does not match its manifest: {reason}.", name, reason)
-    if not hmac.compare_digest(digest, sha256):
-        reason = "its SHA-256 does not match the manifest"
+    if not hmac.compare_digest(digest, expected.digest):
+        reason = f"its {expected.algorithm.upper()} checksum does not match the manifest"
         raise CheckpointVerificationError(f"The file {name!r} at {url!r} does not match its manifest: {reason}.", name, reason)
     return pos + extra

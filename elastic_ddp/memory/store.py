@@ -6,15 +6,16 @@ Layout (``<memory_dir>/<run name>-<identity digest>/``)::
     lock                     every live worker of the run on this node holds a shared flock on it
     last-step                8 bytes: the last step this node's local rank 0 completed
     slot-0/part-00000.bin    local rank 0's share of a state: raw tensor bytes, back to back
-    slot-0/part-00000.json   its commit record: step, part, parts, size, SHA-256, state digest
+    slot-0/part-00000.json   its commit record: step, part, parts, size, BLAKE3, state digest
                              (part 0's record also holds the index: trees, tensor specs, pieces)
     slot-1/...               the other slot: the previous state
 
 Each local rank writes one part of a state, so a node's parts add up to one state, not one per
 rank. A part is committed when its record exists (written to a temporary name, then renamed);
 a state of step S in a slot is *complete* only when every part's record names step S and the same
-state digest and every part file has the recorded size. Contents are verified against the
-SHA-256 as they are read (:func:`read_part`), so a damaged byte is caught before it is used.
+state digest and every part file has the recorded size. Contents are verified against their
+BLAKE3 checksum as they are read (:func:`read_part`), so a damaged byte is caught before it is used
+(BLAKE3, as in durable checkpoints: ~2.5x less CPU than SHA-256 beside training).
 
 Two slots: a save goes to the slot that does not hold the newest complete state, and a rank
 starts overwriting a slot only after the other slot is complete (every local rank finished the
@@ -28,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 
 __all__ = [
@@ -49,7 +50,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+# 2: BLAKE3 checksums (1: SHA-256; its states are not read, so a restart after an upgrade resumes durable).
+FORMAT = 2
 SLOTS = 2
 RUN_FILE = "run.json"
 LOCK_FILE = "lock"
@@ -77,20 +79,20 @@ def part_name(part: int) -> str:
 
 @dataclass(frozen=True)
 class PartRecord:
-    """A committed part: ``size`` bytes with ``sha256``, part ``part`` of ``parts`` of step ``step``."""
+    """A committed part: ``size`` bytes with BLAKE3 ``checksum``, part ``part`` of ``parts`` of step ``step``."""
 
     step: int
     part: int
     parts: int
     size: int
-    sha256: str
+    checksum: str
     digest: str
     index: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {
             "format": FORMAT, "step": self.step, "part": self.part, "parts": self.parts, "size": self.size,
-            "sha256": self.sha256, "digest": self.digest,
+            "blake3": self.checksum, "digest": self.digest,
         }  # fmt: skip
         if self.index is not None:
             out["index"] = self.index
@@ -103,12 +105,12 @@ class PartRecord:
             raise MemoryFormatError(f"{where} is not a memory-tier commit record of format {FORMAT}.")
         if not all(isinstance(data.get(k), int) and data[k] >= 0 for k in fields) or data["parts"] < 1:
             raise MemoryFormatError(f"{where}: {', '.join(fields)} must be non-negative integers (parts >= 1).")
-        if not isinstance(data.get("sha256"), str) or not isinstance(data.get("digest"), str):
-            raise MemoryFormatError(f"{where}: sha256 and digest must be strings.")
+        if not isinstance(data.get("blake3"), str) or not isinstance(data.get("digest"), str):
+            raise MemoryFormatError(f"{where}: blake3 and digest must be strings.")
         index = data.get("index")
         if index is not None and not isinstance(index, dict):
             raise MemoryFormatError(f"{where}: the index must be an object.")
-        return cls(data["step"], data["part"], data["parts"], data["size"], data["sha256"], data["digest"], index)
+        return cls(data["step"], data["part"], data["parts"], data["size"], data["blake3"], data["digest"], index)
 
 
 @dataclass(frozen=True)
@@ -138,12 +140,12 @@ def _write_json_atomic(path: Path, data: Any) -> None:
 
 
 def write_part(path: Path, buffers: Iterable[memoryview]) -> tuple[int, str]:
-    """Write ``buffers`` back to back into ``path`` (replacing it); its size and SHA-256.
+    """Write ``buffers`` back to back into ``path`` (replacing it); its size and BLAKE3 checksum.
 
-    Hashing runs on the same bytes as they are written, one pass over the data (hashlib and file
+    Hashing runs on the same bytes as they are written, one pass over the data (blake3 and file
     writes release the GIL on large buffers, so this runs beside training in a thread).
     """
-    hasher = hashlib.sha256()
+    hasher = blake3.blake3()
     size = 0
     with open(path, "wb") as file:
         for buffer in buffers:
@@ -160,11 +162,11 @@ def read_part(path: Path, record: PartRecord) -> torch.Tensor:
     """The bytes of ``path`` as a uint8 tensor, verified against ``record`` as they are read.
 
     Raises :class:`MemoryFormatError` naming the file when it is missing, of another size, or its
-    SHA-256 differs.
+    checksum differs.
     """
     buffer = torch.empty(record.size, dtype=torch.uint8)
     view = memoryview(buffer.numpy()).cast("B")
-    hasher = hashlib.sha256()
+    hasher = blake3.blake3()
     try:
         with open(path, "rb", buffering=0) as file:
             got = 0
@@ -183,10 +185,10 @@ def read_part(path: Path, record: PartRecord) -> torch.Tensor:
         raise MemoryFormatError(
             f"The memory-tier part {path} holds {'more than ' if extra else ''}{got} bytes; its record says {record.size}."
         )
-    if hasher.hexdigest() != record.sha256:
+    if hasher.hexdigest() != record.checksum:
         raise MemoryFormatError(
-            f"The memory-tier part {path} does not match its checksum (SHA-256 {hasher.hexdigest()[:16]}..., "
-            f"recorded {record.sha256[:16]}...): its bytes were damaged."
+            f"The memory-tier part {path} does not match its checksum (BLAKE3 {hasher.hexdigest()[:16]}..., "
+            f"recorded {record.checksum[:16]}...): its bytes were damaged."
         )
     return buffer
 
