@@ -609,6 +609,7 @@ class Run:
         if self._memory is not None and self._memory.enabled:
             scalars["memory/interval_steps"] = float(self._memory.interval)
             scalars["memory/stall_s"] = self._memory.stall_s
+            scalars["memory/save_cost_s"] = self._memory.cost_s
         if self._steps_redone is not None and self.step == self._metrics.start_step:
             scalars["elastic/steps_redone"] = float(self._steps_redone)
         self._metrics.log_step(self.step, scalars)

@@ -108,10 +108,10 @@ def test_a_part_reads_back_verified_and_a_damaged_byte_is_caught(tmp_path):
 
 
 def test_a_record_of_another_format_is_refused():
-    with pytest.raises(MemoryFormatError, match="format 1"):
-        PartRecord.from_json({"format": 2}, "x.json")
+    with pytest.raises(MemoryFormatError, match="format 2"):
+        PartRecord.from_json({"format": 1, "step": 1, "part": 0, "parts": 1, "size": 0, "sha256": "", "digest": ""}, "x.json")
     with pytest.raises(MemoryFormatError, match="non-negative integers"):
-        PartRecord.from_json({"format": 1, "step": -1, "part": 0, "parts": 1, "size": 0, "sha256": "", "digest": ""}, "x")
+        PartRecord.from_json({"format": 2, "step": -1, "part": 0, "parts": 1, "size": 0, "blake3": "", "digest": ""}, "x")
 
 
 # --- commit rule and slots ---------------------------------------------------------------------
@@ -128,7 +128,7 @@ def test_a_state_is_complete_only_when_every_part_is_committed_for_one_step(tmp_
     assert node.complete(newest.slot) is None
     # Its record back, but naming another step: still incomplete.
     other = newest.records[1]
-    node.commit(newest.slot, PartRecord(6, other.part, other.parts, other.size, other.sha256, other.digest))
+    node.commit(newest.slot, PartRecord(6, other.part, other.parts, other.size, other.checksum, other.digest))
     assert node.complete(newest.slot) is None
     # A part file of another size than recorded: incomplete.
     node.commit(newest.slot, newest.records[1])
@@ -288,13 +288,13 @@ def test_an_ended_runs_directory_is_removed_and_a_live_ones_is_kept(tmp_path):
     assert not t.store.path.exists()
 
 
-def test_the_interval_follows_the_agreed_stall_and_step_time(tmp_path):
+def test_the_interval_follows_the_agreed_cost_and_step_time(tmp_path):
     state, _ = make_state(1)
     t = tier(tmp_path, every=0, overhead=0.02)
     t.survey(state, fresh=False)
     t.after_step(1, state, None)
     assert t.saves == 1 and t.interval == 1
-    # Agreed: a save stalls 10 ms, a step takes 100 ms: 2 % of 100 ms is 2 ms -> every 5 steps.
+    # Agreed: a save costs 10 ms, a step takes 100 ms: 2 % of 100 ms is 2 ms -> every 5 steps.
     t.after_step(2, state, (0.010, 0.100))
     assert t.interval == 5 and t.saves == 2
     for step in range(3, 7):
@@ -304,6 +304,20 @@ def test_the_interval_follows_the_agreed_stall_and_step_time(tmp_path):
     assert t.saves == 3
     assert NodeMemory(tmp_path, "job", "0123456789abcdef").last_step() == 7
     t.close()
+
+
+def test_a_saves_cost_counts_its_background_write_only_when_training_runs_on_the_cpu(tmp_path):
+    state, _ = make_state(1)
+    t = tier(tmp_path, every=0, overhead=0.02)
+    t.survey(state, fresh=False)
+    t.after_step(1, state, None)
+    t.close()  # the background write is done
+    assert t.stall_s > 0 and t.write_cpu_s > 0
+    # On the CPU the write takes cores from the step: the agreement and the interval see it.
+    assert t.report()[0] == pytest.approx(t.stall_s + t.write_cpu_s)
+    # On a GPU it runs on host cores the step does not use: only the stall counts.
+    t.device = torch.device("cuda", 0)
+    assert t.report()[0] == t.stall_s
 
 
 def test_interval_policy():

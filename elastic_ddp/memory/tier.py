@@ -5,10 +5,13 @@ state's tensors in traversal order, cuts that byte stream into ``LOCAL_WORLD_SIZ
 (:func:`elastic_ddp.checkpoint.layout.plan`, a pure function of the shapes, so every rank knows
 every part without talking), copies *its* part to a host buffer (pinned, with non-blocking copies
 and an event, when the state is on a GPU) -- the only time training waits -- and a background
-thread writes it into the node's tmpfs with its SHA-256 and commits it
+thread writes it into the node's tmpfs with its checksum and commits it
 (:mod:`elastic_ddp.memory.store`). How often: :func:`elastic_ddp.memory.policy.interval` from the
-largest measured stall and step time of all ranks, which ride on the per-step stop agreement, so
-every rank saves the same steps without another collective.
+largest measured cost of a save and step time of all ranks, which ride on the per-step stop
+agreement, so every rank saves the same steps without another collective. A save's cost is its
+stall plus, when training runs on the CPU, the CPU time of its background write: there the write
+takes cores from the training step (torchrun gives each rank its share of them), while on a GPU
+it runs on host cores the step does not use.
 
 Resuming (collective, before training): :meth:`MemoryTier.survey` all-gathers what each node's
 memory holds (newest complete step, the last step the node completed) and checks that every
@@ -149,7 +152,8 @@ class MemoryTier:
         self._next_due = 0
         self.interval = 1
         self.interval_why = "not measured yet"
-        self.stall_s = 0.0  # the last save's stall: what this rank reports to the agreement
+        self.stall_s = 0.0  # the last save's stall
+        self.write_cpu_s = 0.0  # CPU time of the last finished background write (its thread's)
         self.step_s = 0.0
         self._last_tick: float | None = None
         self._stall_since_tick = 0.0
@@ -369,9 +373,15 @@ class MemoryTier:
             self._stall_since_tick = self.stall_s = self.save(step, state)
             self._next_due = step + self.interval
 
+    @property
+    def cost_s(self) -> float:
+        """What the last save cost the training loop: its stall, plus its background write's CPU time
+        when training computes on the CPU (see the module docstring)."""
+        return self.stall_s + (self.write_cpu_s if self.device.type == "cpu" else 0.0)
+
     def report(self) -> tuple[float, float]:
-        """(stall of the last save, time of the last step without it): this rank's share of the agreement."""
-        return self.stall_s, self.step_s
+        """(cost of the last save, time of the last step without its stall): this rank's share of the agreement."""
+        return self.cost_s, self.step_s
 
     def save(self, step: int, state: Mapping[str, Any]) -> float:
         """Stage this rank's part of the state after ``step`` and write it in the background; the stall (s)."""
@@ -422,6 +432,14 @@ class MemoryTier:
 
     def _write(self, slot: int, previous: tuple[int, int] | None, record: PartRecord, buffer: torch.Tensor,
                events: Any) -> None:  # fmt: skip
+        started = time.thread_time()
+        try:
+            self._write_part(slot, previous, record, buffer, events)
+        finally:
+            self.write_cpu_s = time.thread_time() - started
+
+    def _write_part(self, slot: int, previous: tuple[int, int] | None, record: PartRecord, buffer: torch.Tensor,
+                    events: Any) -> None:  # fmt: skip
         if events is not None:
             events[1].synchronize()
             self._copy_s = events[0].elapsed_time(events[1]) / 1000.0
@@ -433,8 +451,8 @@ class MemoryTier:
                 f"{self.timeout_s:.0f} s (checkpoint.timeout_s)."
             )
         self.store.uncommit(slot, record.part)
-        size, sha256 = self.store.write(slot, record.part, [memoryview(buffer.numpy()).cast("B")])
-        self.store.commit(slot, PartRecord(record.step, record.part, record.parts, size, sha256, record.digest, record.index))
+        size, checksum = self.store.write(slot, record.part, [memoryview(buffer.numpy()).cast("B")])
+        self.store.commit(slot, PartRecord(record.step, record.part, record.parts, size, checksum, record.digest, record.index))
 
     def _wait_writer(self) -> bool:
         """Wait for the save in flight; False (the tier then stops on this rank) if it failed."""
