@@ -249,8 +249,9 @@ class CheckpointConfig(Section):
         le=1,
         description=(
             "Budget of the memory tier as a fraction of step time (0.02 is a good start): saves to node memory "
-            "happen every step when their measured stall fits, else as often as it allows. 0 (the default) "
-            "turns the memory tier off; the deploy manifests turn it on with 0.02 and size /dev/shm for it."
+            "happen every step when their measured cost fits (the stall, and on CPU jobs the background write), "
+            "else as often as it allows. 0 (the default) turns the memory tier off; the deploy manifests turn it "
+            "on with 0.02 and size /dev/shm for it."
         ),
     )
     memory_every_steps: int = Field(
