@@ -28,7 +28,7 @@ from elastic_ddp.rendezvous.client import EtcdClient, EtcdConnectionError, Range
 from elastic_ddp.rendezvous.handler import ENV_RDZV_ROUND, EtcdRendezvousHandler
 from elastic_ddp.rendezvous.rounds import LAST_CALL, RoundRecord, node_key
 from elastic_ddp.rendezvous.view import RunKeys
-from tests.helpers.nodes import wait_for
+from tests.helpers.nodes import record_raises, wait_for
 
 FAST = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "30"}
 
@@ -295,16 +295,7 @@ def test_a_join_rides_out_etcd_being_down_and_completes_once_it_is_back(run, tmp
     with EtcdServer(tmp_path / "etcd") as own:
         a = run(2, 2, "10.0.0.1", endpoint=own.endpoint, read_timeout="1")
         b = run(2, 2, "10.0.0.2", endpoint=own.endpoint, read_timeout="1")
-        failed, step = [], a._join_step
-
-        def counted_step(known):
-            try:
-                return step(known)
-            except EtcdConnectionError:
-                failed.append(time.monotonic())
-                raise
-
-        monkeypatch.setattr(a, "_join_step", counted_step)
+        failed = record_raises(monkeypatch, a, "_join_step", EtcdConnectionError)
         own.stop()
         first = Joining(a)  # its first requests fail: etcd is not there
         wait_for(lambda: len(failed) >= 2, 30, what="two join steps that etcd did not answer")

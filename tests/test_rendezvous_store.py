@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier, synchronize
 
 from elastic_ddp.rendezvous.store import EtcdV3Store
-from tests.helpers.nodes import wait_for
+from tests.helpers.nodes import record_raises, wait_for
 
 
 @pytest.fixture
@@ -334,16 +334,7 @@ def test_a_blocking_get_rides_out_etcd_being_down_until_its_own_timeout(tmp_path
     with EtcdServer(tmp_path / "etcd") as own, EtcdClient(own.endpoint, timeout=1) as client:
         waiting = EtcdV3Store(client, "/ride-out/", timeout=timedelta(seconds=60), lease_ttl=60)
         got: list = []
-        failed, read = [], client.range
-
-        def counted_read(request):
-            try:
-                return read(request)
-            except EtcdConnectionError:
-                failed.append(time.monotonic())
-                raise
-
-        monkeypatch.setattr(client, "range", counted_read)
+        failed = record_raises(monkeypatch, client, "range", EtcdConnectionError)
         own.stop()
         reader = threading.Thread(target=lambda: got.append(waiting.get("MASTER_ADDR")), daemon=True)
         reader.start()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["Node", "descendants", "start_node", "wait_for"]
+__all__ = ["Node", "descendants", "record_raises", "start_node", "wait_for"]
 
 _T = TypeVar("_T")
 
@@ -35,6 +35,23 @@ def wait_for(predicate: Callable[[], _T], timeout: float, interval: float = 0.1,
         if time.monotonic() >= deadline:
             raise TimeoutError(f"Timed out after {timeout:g} s waiting for {what}.")
         time.sleep(interval)
+
+
+def record_raises(monkeypatch, owner: object, name: str, error: type[BaseException]) -> list[BaseException]:
+    """Wrap ``owner.name`` (for the test's duration) so that every ``error`` it raises is recorded,
+    then raised as before; the list of recorded errors, which grows as they happen."""
+    raised: list[BaseException] = []
+    call = getattr(owner, name)
+
+    def recording(*args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except error as exc:
+            raised.append(exc)
+            raise
+
+    monkeypatch.setattr(owner, name, recording)
+    return raised
 
 
 def _children(pid: int) -> list[int]:
