@@ -107,6 +107,34 @@ def test_a_part_reads_back_verified_and_a_damaged_byte_is_caught(tmp_path):
         read_part(path, record)
 
 
+def test_a_part_rewritten_with_fewer_bytes_holds_exactly_the_new_ones(tmp_path):
+    # Parts are overwritten in place (no truncation first, see write_part): the old tail must go.
+    path = tmp_path / "part.bin"
+    write_part(path, [memoryview(bytes(range(256)) * 40)])
+    data = torch.arange(100, dtype=torch.int16).view(torch.uint8)
+    size, checksum = write_part(path, [memoryview(data.numpy()).cast("B"), memoryview(b"tail")])
+    assert size == 204 and path.read_bytes() == data.numpy().tobytes() + b"tail"
+    assert torch.equal(read_part(path, PartRecord(1, 0, 1, size, checksum, "d"))[:200], data)
+
+
+def test_polling_a_slot_parses_each_commit_record_once_until_it_changes(tmp_path, monkeypatch):
+    # A save polls the other slot until the node's ranks finished it; part 0's record holds the
+    # whole index, so re-parsing it every poll would cost each save far more than the poll itself.
+    state, _ = make_state(1)
+    save_node(tmp_path, state, step=5)
+    node = NodeMemory(tmp_path, "job", "0123456789abcdef")
+    parsed = []
+    from_json = PartRecord.from_json.__func__
+    monkeypatch.setattr(PartRecord, "from_json", classmethod(lambda cls, data, where: parsed.append(where) or from_json(cls, data, where)))
+    slot = node.newest().slot
+    for _ in range(5):
+        assert node.wait_complete(slot, 5, timeout_s=1.0)
+    assert len(parsed) == 2  # the two parts' records, read once
+    record = node.complete(slot).records[1]
+    node.commit(slot, PartRecord(6, record.part, record.parts, record.size, record.checksum, record.digest))
+    assert node.complete(slot) is None and len(parsed) == 3  # the re-committed record is read again
+
+
 def test_a_record_of_another_format_is_refused():
     with pytest.raises(MemoryFormatError, match="format 2"):
         PartRecord.from_json({"format": 1, "step": 1, "part": 0, "parts": 1, "size": 0, "sha256": "", "digest": ""}, "x.json")
