@@ -518,7 +518,7 @@ class Run:
         ledger = StepLedger(self.cfg.run.dir, rank=self.rank, world_size=self.world_size, resume_step=self.step,
                             enabled=data.ledger)  # fmt: skip
         memory = self._memory
-        agreement = StopAgreement(self._stop_signal, self._control, values=2)
+        agreement = StopAgreement(self._stop_signal, self._control, values=3)
         if self.step >= end:
             log.info("[%d/%d] Nothing to train: the run is at step %d of %d.", self.rank, self.step, self.step, end)
             self.ended = ENDED_FINISHED
@@ -535,7 +535,7 @@ class Run:
                 step._check_complete()
                 self.step, self._data.cursor = batch.step, batch.cursor_after
                 self.failures.step = self.step
-                stop = agreement.after_step(memory.report() if memory is not None else (0.0, 0.0))
+                stop = agreement.after_step(memory.report() if memory is not None else (0.0, 0.0, 0.0))
                 exiting = self.step == end
                 loss = None
                 if data.ledger or self._metrics.should_log(self.step):
@@ -610,6 +610,7 @@ class Run:
             scalars["memory/interval_steps"] = float(self._memory.interval)
             scalars["memory/stall_s"] = self._memory.stall_s
             scalars["memory/save_cost_s"] = self._memory.cost_s
+            scalars["memory/write_s"] = self._memory.write_s
         if self._steps_redone is not None and self.step == self._metrics.start_step:
             scalars["elastic/steps_redone"] = float(self._steps_redone)
         self._metrics.log_step(self.step, scalars)

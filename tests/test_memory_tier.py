@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 
 import pytest
 import torch
 
+from elastic_ddp.memory.copies import optimizer_storages
 from elastic_ddp.memory.policy import MAX_INTERVAL, Candidate, choose_resume, interval
 from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord, read_part, run_dir_name, write_part
 from elastic_ddp.memory.tier import MemoryTier, MemoryTierError, NodeOffer, Survey
@@ -44,11 +46,11 @@ def make_state(seed: int) -> tuple[dict, torch.nn.Module]:
     return {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "count": counter}, model
 
 
-def tier(memory_dir, *, local_rank=0, local_world_size=1, overhead=0.02, every=1) -> MemoryTier:
+def tier(memory_dir, *, local_rank=0, local_world_size=1, overhead=0.02, every=1, device="cpu") -> MemoryTier:
     return MemoryTier(
         memory_dir=str(memory_dir), overhead=overhead, every_steps=every, timeout_s=5.0, run_name="job",
         identity_digest="0123456789abcdef", rank=local_rank, local_rank=local_rank, local_world_size=local_world_size,
-        node=0, device=torch.device("cpu"), control_group=None,
+        node=0, device=torch.device(device), control_group=None,
     )  # fmt: skip
 
 
@@ -211,6 +213,79 @@ def test_a_save_waits_for_the_nodes_other_ranks_before_overwriting_their_last_co
         x.close()
 
 
+# --- copies on a GPU ---------------------------------------------------------------------------
+
+
+def test_only_parameters_and_optimizer_state_count_as_changed_by_the_optimizer_alone():
+    # What is copied while the next step computes: exactly what only optimizer.step() changes.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    owned = optimizer_storages([optimizer])
+    storages = lambda tensors: {t.untyped_storage().data_ptr() for t in tensors}  # noqa: E731
+    assert storages(model.parameters()) <= owned
+    assert storages(v for st in optimizer.state.values() for v in st.values()) <= owned
+    assert not storages(model.buffers()) & owned  # BatchNorm's running statistics change in forward
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda_state(seed: int) -> tuple[dict, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    # Large enough (~64 MB of parameters, ~190 MB with AdamW's state) that the copies are still in
+    # flight when the next optimizer step is queued, so a missing wait would tear the saved state.
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)], torch.nn.BatchNorm1d(2048)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}, model, optimizer
+
+
+def train_step(model, optimizer) -> None:
+    model(torch.randn(64, 2048, device="cuda")).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@cuda
+def test_on_a_gpu_the_saved_state_is_the_one_after_its_step_although_the_next_steps_run_during_the_copies(tmp_path):
+    state, model, optimizer = cuda_state(0)
+    train_step(model, optimizer)
+    saver = tier(tmp_path, device="cuda")
+    saver.survey(state, fresh=True)
+    expected = {k: v.cpu() for k, v in flat(state).items()}
+    saver.save(1, state)
+    # The next steps are queued at once: their optimizer steps must wait for the parameter and
+    # optimizer-state copies, and their forwards change BatchNorm's statistics, copied at the save.
+    for _ in range(3):
+        train_step(model, optimizer)
+    saver.close()
+    assert not all(torch.equal(expected[k], v.cpu()) for k, v in flat(state).items())
+    target, _, _ = cuda_state(1)
+    reader = tier(tmp_path, device="cuda")
+    assert reader.restore(reader.survey(target, fresh=False), 0, target)
+    got = flat(target)
+    assert all(torch.equal(got[k].cpu(), expected[k]) for k in expected)
+    reader.close()
+
+
+@cuda
+def test_on_a_gpu_a_saves_cost_counts_the_copies_the_training_stream_waited_for(tmp_path):
+    state, model, optimizer = cuda_state(0)
+    train_step(model, optimizer)
+    saver = tier(tmp_path, device="cuda")
+    saver.survey(state, fresh=True)
+    saver.save(1, state)
+    optimizer.step()  # at once: the training stream waits for nearly all of the side copies
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    stall = saver.save(2, state)  # its host time plus the first save's copies, measured on the GPU
+    host = time.perf_counter() - started - saver.waited_s  # less the wait for the first write
+    saver.close()
+    # ~190 MB over PCIe takes milliseconds, nearly all of which the optimizer step waited for.
+    assert stall - host > 0.001
+
+
 # --- restore -----------------------------------------------------------------------------------
 
 
@@ -323,14 +398,38 @@ def test_the_interval_follows_the_agreed_cost_and_step_time(tmp_path):
     t.after_step(1, state, None)
     assert t.saves == 1 and t.interval == 1
     # Agreed: a save costs 10 ms, a step takes 100 ms: 2 % of 100 ms is 2 ms -> every 5 steps.
-    t.after_step(2, state, (0.010, 0.100))
+    t.after_step(2, state, (0.010, 0.100, 0.0))
     assert t.interval == 5 and t.saves == 2
     for step in range(3, 7):
-        t.after_step(step, state, (0.010, 0.100))
+        t.after_step(step, state, (0.010, 0.100, 0.0))
     assert t.saves == 2
-    t.after_step(7, state, (0.010, 0.100))
+    t.after_step(7, state, (0.010, 0.100, 0.0))
     assert t.saves == 3
     assert NodeMemory(tmp_path, "job", "0123456789abcdef").last_step() == 7
+    t.close()
+
+
+def test_a_save_that_waits_for_a_slow_write_does_not_count_the_wait_and_the_interval_outlasts_the_write(tmp_path, monkeypatch):
+    state, _ = make_state(1)
+    t = tier(tmp_path, every=0, overhead=0.02)
+    t.survey(state, fresh=False)
+    write = NodeMemory.write
+
+    def slow_write(self, *args):
+        time.sleep(0.3)
+        return write(self, *args)
+
+    monkeypatch.setattr(NodeMemory, "write", slow_write)
+    t.after_step(1, state, None)
+    t.after_step(2, state, None)  # nothing measured yet: due again, and the first write still runs
+    assert t.saves == 2 and t.waited_s > 0.2
+    # The wait is a one-off, not what a save costs: counted, it would space saves out for good.
+    assert t.stall_s < 0.2 and t.report()[0] < 0.2
+    t.close()
+    assert t.write_s > 0.3 and t.report()[2] == t.write_s
+    # Agreed: a cheap save, 100 ms steps, a 350 ms write -> every 4 steps, so no save waits again.
+    t.after_step(3, state, (0.001, 0.100, 0.350))
+    assert t.interval == 4 and "write takes 350 ms" in t.interval_why
     t.close()
 
 
@@ -354,6 +453,10 @@ def test_interval_policy():
     assert interval(0.0021, 0.1, 0.02)[0] == 2
     steps, why = interval(100.0, 0.001, 0.02)
     assert steps == MAX_INTERVAL and "capped" in why
+    # No more often than the background write keeps up with: 250 ms of writing, 100 ms steps.
+    steps, why = interval(0.001, 0.1, 0.02, write_s=0.25)
+    assert steps == 3 and "background write takes 250 ms: every 3 steps" in why
+    assert interval(0.010, 0.1, 0.02, write_s=0.25)[0] == 5  # the cost binds
     with pytest.raises(ValueError, match="must be positive"):
         interval(1.0, 1.0, 0.0)
 

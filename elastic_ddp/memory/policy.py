@@ -1,7 +1,8 @@
 """The memory tier's two decisions, as pure functions that also say why.
 
 * :func:`interval` -- how often to save into node memory so that the measured cost of a save stays
-  within the budget (``checkpoint.memory_overhead`` of the step time): every step when that fits.
+  within the budget (``checkpoint.memory_overhead`` of the step time), and no more often than its
+  background write can keep up with: every step when both fit.
 * :func:`choose_resume` -- where a (re)starting job resumes from: the newest state available
   anywhere (any surviving node's memory, or the durable checkpoint), preferring memory on a tie
   because reading node memory is far faster than object storage.
@@ -22,19 +23,25 @@ __all__ = ["Candidate", "Choice", "choose_resume", "interval"]
 MAX_INTERVAL = 1000
 
 
-def interval(cost_s: float, step_s: float, budget: float) -> tuple[int, str]:
+def interval(cost_s: float, step_s: float, budget: float, write_s: float = 0.0) -> tuple[int, str]:
     """Steps between memory saves so that ``cost_s / steps <= budget * step_s``, and why.
 
     ``cost_s``: the training time one memory save takes (its stall, and what its background write
     takes from training); ``step_s``: the time of a step without a save; ``budget``: the allowed
-    fraction of step time (e.g. 0.02). 1 when it fits every step (or nothing was measured yet).
+    fraction of step time (e.g. 0.02); ``write_s``: how long a save's background write takes from
+    its start to its commit. Never fewer steps than the write takes: a save that found the previous
+    write still running would wait for it. 1 when it fits every step (or nothing was measured yet).
     """
     if budget <= 0:
         raise ValueError(f"The memory tier's overhead budget ({budget}) must be positive.")
     if cost_s <= 0 or step_s <= 0:
         return 1, "no measurement yet: every step"
-    steps = max(1, math.ceil(cost_s / (budget * step_s)))
+    by_cost = max(1, math.ceil(cost_s / (budget * step_s)))
+    by_write = max(1, math.ceil(write_s / step_s))
+    steps = max(by_cost, by_write)
     why = f"a save costs {cost_s * 1e3:.1f} ms, a step takes {step_s * 1e3:.1f} ms, budget {budget:.1%}"
+    if by_write > by_cost:
+        why += f", and its background write takes {write_s * 1e3:.0f} ms"
     if steps > MAX_INTERVAL:
         return MAX_INTERVAL, why + f": capped at every {MAX_INTERVAL} steps"
     return steps, why + (": every step" if steps == 1 else f": every {steps} steps")

@@ -3,15 +3,16 @@
 Saving (every rank, no collective): after a step that is due, each rank takes the registered
 state's tensors in traversal order, cuts that byte stream into ``LOCAL_WORLD_SIZE`` equal parts
 (:func:`elastic_ddp.checkpoint.layout.plan`, a pure function of the shapes, so every rank knows
-every part without talking), copies *its* part to a host buffer (pinned, with non-blocking copies
-and an event, when the state is on a GPU) -- the only time training waits -- and a background
-thread writes it into the node's tmpfs with its checksum and commits it
-(:mod:`elastic_ddp.memory.store`). How often: :func:`elastic_ddp.memory.policy.interval` from the
-largest measured cost of a save and step time of all ranks, which ride on the per-step stop
-agreement, so every rank saves the same steps without another collective. A save's cost is its
-stall plus, when training runs on the CPU, the CPU time of its background write: there the write
-takes cores from the training step (torchrun gives each rank its share of them), while on a GPU
-it runs on host cores the step does not use.
+every part without talking), copies *its* part to a host buffer -- on a GPU parameters and
+optimizer state on a side stream that the next ``optimizer.step()`` waits for
+(:mod:`elastic_ddp.memory.copies`) -- and a background thread writes it into the node's tmpfs
+with its checksum and commits it (:mod:`elastic_ddp.memory.store`). How often:
+:func:`elastic_ddp.memory.policy.interval` from the largest measured cost of a save, step time and
+write time of all ranks, which ride on the per-step stop agreement, so every rank saves the same
+steps without another collective. A save's cost is its stall plus, when training runs on the CPU,
+the CPU time of its background write: there the write takes cores from the training step
+(torchrun gives each rank its share of them), while on a GPU it runs on host cores the step does
+not use.
 
 Resuming (collective, before training): :meth:`MemoryTier.survey` all-gathers what each node's
 memory holds (newest complete step, the last step the node completed) and checks that every
@@ -40,8 +41,10 @@ import torch.distributed as dist
 
 from elastic_ddp.checkpoint.layout import Layout, plan
 from elastic_ddp.checkpoint.tree import TensorSpec, TreeError, flatten_named, leaf, path_text, unflatten
+from elastic_ddp.memory.copies import DeviceCopies
 from elastic_ddp.memory.policy import Candidate, interval
 from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord
+from elastic_ddp.state import OptimizerState
 
 __all__ = ["MemoryTier", "MemoryTierError", "NodeOffer", "Survey"]
 
@@ -152,13 +155,15 @@ class MemoryTier:
         self._next_due = 0
         self.interval = 1
         self.interval_why = "not measured yet"
-        self.stall_s = 0.0  # the last save's stall
+        self.stall_s = 0.0  # the last save's stall, without its one-off waits (below)
+        self.waited_s = 0.0  # the last save's wait for the previous write and buffer allocation
         self.write_cpu_s = 0.0  # CPU time of the last finished background write (its thread's)
+        self.write_s = 0.0  # wall time of the last finished background write, start to commit
         self.step_s = 0.0
         self._last_tick: float | None = None
         self._stall_since_tick = 0.0
         self.saves = 0
-        self._copy_s = 0.0  # GPU time of the last save's device-to-host copies (0 on CPUs)
+        self._copies: DeviceCopies | None = None  # the device-to-host copies of saves on a GPU
         self.failed: str | None = None
         self.disabled: str | None = None  # why the tier turned itself off at the survey
 
@@ -354,7 +359,7 @@ class MemoryTier:
 
     # ------------------------------------------------------------------------------------- save
 
-    def after_step(self, step: int, state: Mapping[str, Any], agreed: tuple[float, float] | None) -> None:
+    def after_step(self, step: int, state: Mapping[str, Any], agreed: tuple[float, float, float] | None) -> None:
         """Called by every rank after each step: note it, adopt the agreed interval, save when due."""
         if not self.enabled or self.failed:
             return
@@ -367,10 +372,11 @@ class MemoryTier:
         if self.every_steps:
             self.interval, self.interval_why = self.every_steps, f"checkpoint.memory_every_steps={self.every_steps}"
         elif agreed is not None:
-            self.interval, self.interval_why = interval(agreed[0], agreed[1], self.overhead)
+            self.interval, self.interval_why = interval(agreed[0], agreed[1], self.overhead, agreed[2])
         if step >= self._next_due:
             # Subtracted from the next step's time: the interval weighs the stall against a step without it.
-            self._stall_since_tick = self.stall_s = self.save(step, state)
+            self.stall_s = self.save(step, state)
+            self._stall_since_tick = self.stall_s + self.waited_s
             self._next_due = step + self.interval
 
     @property
@@ -379,15 +385,24 @@ class MemoryTier:
         when training computes on the CPU (see the module docstring)."""
         return self.stall_s + (self.write_cpu_s if self.device.type == "cpu" else 0.0)
 
-    def report(self) -> tuple[float, float]:
-        """(cost of the last save, time of the last step without its stall): this rank's share of the agreement."""
-        return self.cost_s, self.step_s
+    def report(self) -> tuple[float, float, float]:
+        """(cost of the last save, time of the last step without its stall, time of the last background
+        write): this rank's share of the agreement."""
+        return self.cost_s, self.step_s, self.write_s
 
     def save(self, step: int, state: Mapping[str, Any]) -> float:
-        """Stage this rank's part of the state after ``step`` and write it in the background; the stall (s)."""
+        """Stage this rank's part of the state after ``step`` and write it in the background; the stall (s).
+
+        Not in the stall, in :attr:`waited_s` instead: waiting for the previous write and allocating the
+        host buffer. Both are one-offs -- the interval keeps saves further apart than a write takes
+        (:func:`elastic_ddp.memory.policy.interval`), and the buffer is kept -- so counting them as the
+        cost of every save would space saves out for good after the first ones.
+        """
         started = time.perf_counter()
-        if not self._wait_writer():
-            return time.perf_counter() - started
+        ok = self._wait_writer()
+        self.waited_s = time.perf_counter() - started
+        if not ok:
+            return 0.0
         trees = _state_dicts(state)
         encoded, tensors, paths = flatten_named(trees)
         specs = tuple(TensorSpec.of(t) for t in tensors)
@@ -403,20 +418,27 @@ class MemoryTier:
         nbytes = sum((b - a) * specs[t].itemsize for t, a, b in mine)
         on_gpu = any(tensors[t].is_cuda for t, _, _ in mine)
         if self._buffer is None or self._buffer.numel() != nbytes or self._buffer.is_pinned() != on_gpu:
+            allocating = time.perf_counter()
+            self._buffer = None  # the old one goes before the new one is taken
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu)
-        events = None
-        if on_gpu:
-            # The copies run on the training stream, so the GPU pays their time, not the host:
-            # timed by events and added to the stall this rank reports.
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        pos = 0
+            self.waited_s += time.perf_counter() - allocating
+        pieces, pos = [], 0
         for t, a, b in mine:
             view = _byte_range(tensors[t], a, b)
-            self._buffer[pos : pos + view.numel()].copy_(view, non_blocking=view.is_cuda)
+            pieces.append((view, self._buffer[pos : pos + view.numel()]))
             pos += view.numel()
-        if events is not None:
-            events[1].record()
+        copies = None
+        if on_gpu:
+            # Parameters and optimizer state are copied while the next step computes (see
+            # elastic_ddp/memory/copies.py); what the copies cost the training stream, measured on the
+            # GPU at the previous save, is added to the stall this rank reports.
+            if self._copies is None:
+                self._copies = DeviceCopies(self.device)
+            optimizers = [obj.optimizer for obj in state.values() if isinstance(obj, OptimizerState)]
+            copies = self._copies.copy(pieces, optimizers)
+        else:
+            for source, target in pieces:
+                target.copy_(source)
         index = None
         if self.local_rank == 0:
             index = {"state": encoded, "tensors": [s.to_json() for s in specs], "pieces": parts}
@@ -424,25 +446,25 @@ class MemoryTier:
         record = PartRecord(step, self.local_rank, self.local_world_size, nbytes, "", digest, index)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memory-tier")
-        self._pending = self._pool.submit(self._write, slot, previous, record, self._buffer, events)
+        self._pending = self._pool.submit(self._write, slot, previous, record, self._buffer, copies)
         self._previous, self._slot = (slot, step), 1 - slot
         self.saves += 1
         # On GPUs the stall also counts the device-to-host copies, timed at the previous save.
-        return time.perf_counter() - started + self._copy_s
+        return time.perf_counter() - started - self.waited_s + (self._copies.cost_s if on_gpu else 0.0)
 
     def _write(self, slot: int, previous: tuple[int, int] | None, record: PartRecord, buffer: torch.Tensor,
-               events: Any) -> None:  # fmt: skip
-        started = time.thread_time()
+               copies: Any) -> None:  # fmt: skip
+        started, started_cpu = time.perf_counter(), time.thread_time()
         try:
-            self._write_part(slot, previous, record, buffer, events)
+            self._write_part(slot, previous, record, buffer, copies)
         finally:
-            self.write_cpu_s = time.thread_time() - started
+            self.write_cpu_s = time.thread_time() - started_cpu
+            self.write_s = time.perf_counter() - started
 
     def _write_part(self, slot: int, previous: tuple[int, int] | None, record: PartRecord, buffer: torch.Tensor,
-                    events: Any) -> None:  # fmt: skip
-        if events is not None:
-            events[1].synchronize()
-            self._copy_s = events[0].elapsed_time(events[1]) / 1000.0
+                    copies: Any) -> None:  # fmt: skip
+        if copies is not None:
+            DeviceCopies.wait(copies)
         # Overwrite this slot only once the other slot holds the previous state complete: every
         # local rank finished it. Until then this slot's older state is the node's only complete one.
         if previous is not None and not self.store.wait_complete(*previous, timeout_s=self.timeout_s):
@@ -478,6 +500,9 @@ class MemoryTier:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._copies is not None:
+            self._copies.close()
+            self._copies = None
         self.store.close()
 
     def remove(self) -> None:
