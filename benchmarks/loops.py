@@ -67,10 +67,12 @@ def measure_rate(cmd: list[str], first: int, last: int, log_path: Path, timeout:
         return steps_per_s(step_stamps(proc.lines()), first, last)
 
 
-def recipe_rate(work: Workload, root: Path, first: int, last: int, log_every: int, ckpt_every: int = 0, *extra: str) -> float:
+def recipe_rate(
+    work: Workload, root: Path, first: int, last: int, log_every: int, ckpt_every: int = 0, *extra: str, nproc: int = 2
+) -> float:
     """The recipe's steps/s from step ``first`` to ``last``; it runs one step more so the final save is outside."""
     flags = recipe_flags(work, root, last + 1, log_every, ckpt_every, *extra)
-    return measure_rate(standalone(RECIPE, flags), first, last, root / "recipe.log")
+    return measure_rate(standalone(RECIPE, flags, nproc), first, last, root / "recipe.log")
 
 
 def plain_rate(work: Workload, root: Path, first: int, last: int, log_every: int) -> float:
