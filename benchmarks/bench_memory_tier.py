@@ -20,6 +20,7 @@ part of the stall and the background write has cores of its own, as on a GPU nod
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -58,8 +59,8 @@ def tier_choice(tensorboard: Path) -> dict[str, float]:
     tags = events.Tags()["scalars"]
     if "memory/interval_steps" not in tags:
         return {}
-    costs = sorted(e.value for e in events.Scalars("memory/save_cost_s"))
-    return {"interval": events.Scalars("memory/interval_steps")[-1].value, "save_cost_ms": 1000 * costs[len(costs) // 2]}
+    cost_s = statistics.median(e.value for e in events.Scalars("memory/save_cost_s"))
+    return {"interval": events.Scalars("memory/interval_steps")[-1].value, "save_cost_ms": 1000 * cost_s}
 
 
 def run(ctx: Context) -> Result:

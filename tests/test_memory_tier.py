@@ -229,7 +229,7 @@ def test_only_parameters_and_optimizer_state_count_as_changed_by_the_optimizer_a
     assert not storages(model.buffers()) & owned  # BatchNorm's running statistics change in forward
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the side-stream copies exist only on GPUs")
 
 
 def cuda_state(seed: int) -> tuple[dict, torch.nn.Module, torch.optim.Optimizer]:
@@ -247,12 +247,18 @@ def train_step(model, optimizer) -> None:
     optimizer.zero_grad()
 
 
-@cuda
-def test_on_a_gpu_the_saved_state_is_the_one_after_its_step_although_the_next_steps_run_during_the_copies(tmp_path):
+def trained_on_cuda(tmp_path) -> tuple[dict, torch.nn.Module, torch.optim.Optimizer, MemoryTier]:
+    """A CUDA state after one step, and a fresh tier on the GPU ready to save it."""
     state, model, optimizer = cuda_state(0)
     train_step(model, optimizer)
     saver = tier(tmp_path, device="cuda")
     saver.survey(state, fresh=True)
+    return state, model, optimizer, saver
+
+
+@cuda
+def test_on_a_gpu_the_saved_state_is_the_one_after_its_step_although_the_next_steps_run_during_the_copies(tmp_path):
+    state, model, optimizer, saver = trained_on_cuda(tmp_path)
     expected = {k: v.cpu() for k, v in flat(state).items()}
     saver.save(1, state)
     # The next steps are queued at once: their optimizer steps must wait for the parameter and
@@ -271,10 +277,7 @@ def test_on_a_gpu_the_saved_state_is_the_one_after_its_step_although_the_next_st
 
 @cuda
 def test_on_a_gpu_a_saves_cost_counts_the_copies_the_training_stream_waited_for(tmp_path):
-    state, model, optimizer = cuda_state(0)
-    train_step(model, optimizer)
-    saver = tier(tmp_path, device="cuda")
-    saver.survey(state, fresh=True)
+    state, _, optimizer, saver = trained_on_cuda(tmp_path)
     saver.save(1, state)
     optimizer.step()  # at once: the training stream waits for nearly all of the side copies
     torch.cuda.synchronize()

@@ -60,6 +60,11 @@ class _Round:
             cost += max(0.0, self.reached.elapsed_time(self.side_done))
         return cost
 
+    def wait(self) -> None:
+        """Block the calling (writer) thread until every copy of this round landed in host memory."""
+        self.main_done.synchronize()
+        self.side_done.synchronize()
+
 
 class DeviceCopies:
     """Copies pieces of GPU tensors into a pinned host buffer for one rank's memory-tier saves."""
@@ -100,12 +105,6 @@ class DeviceCopies:
         r.side_done.record(self._side)
         self._round = r
         return r
-
-    @staticmethod
-    def wait(r: _Round) -> None:
-        """Block the calling (writer) thread until every copy of ``r`` landed in host memory."""
-        r.main_done.synchronize()
-        r.side_done.synchronize()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         r = self._round

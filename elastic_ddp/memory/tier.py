@@ -464,7 +464,7 @@ class MemoryTier:
     def _write_part(self, slot: int, previous: tuple[int, int] | None, record: PartRecord, buffer: torch.Tensor,
                     copies: Any) -> None:  # fmt: skip
         if copies is not None:
-            DeviceCopies.wait(copies)
+            copies.wait()
         # Overwrite this slot only once the other slot holds the previous state complete: every
         # local rank finished it. Until then this slot's older state is the node's only complete one.
         if previous is not None and not self.store.wait_complete(*previous, timeout_s=self.timeout_s):
