@@ -44,6 +44,7 @@ COMPARISONS = {
     "recovery": "benchmarks.bench_recovery",
     "grace": "benchmarks.bench_grace",
     "memory_tier": "benchmarks.bench_memory_tier",
+    "memory_io": "benchmarks.bench_memory_io",
 }
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 

@@ -8,12 +8,14 @@ without torchrun. The collectives are covered by tests/test_memory_tier_e2e.py.
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import time
 
 import pytest
 import torch
 
+from elastic_ddp.memory import store as store_module
 from elastic_ddp.memory.copies import optimizer_storages
 from elastic_ddp.memory.policy import MAX_INTERVAL, Candidate, choose_resume, interval
 from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord, read_part, run_dir_name, write_part
@@ -107,6 +109,34 @@ def test_a_part_reads_back_verified_and_a_damaged_byte_is_caught(tmp_path):
     path.unlink()
     with pytest.raises(MemoryFormatError, match="is missing"):
         read_part(path, record)
+
+
+def test_a_part_hashed_beside_its_write_has_the_same_bytes_and_checksum_and_reads_back_with_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_module, "CHUNK", 1000)  # several writes per buffer
+    buffers = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4500, 1, 0, 2999)]
+    views = [memoryview(b.numpy()).cast("B") for b in buffers]
+    one, three = tmp_path / "one.bin", tmp_path / "three.bin"
+    assert write_part(one, views) == write_part(three, views, threads=3)
+    assert one.read_bytes() == three.read_bytes() == b"".join(b.numpy().tobytes() for b in buffers)
+    size, checksum = write_part(three, views, threads=3)
+    assert torch.equal(read_part(three, PartRecord(1, 0, 1, size, checksum, "d"), threads=2), torch.cat(buffers))
+    raw = bytearray(three.read_bytes())
+    raw[-1] ^= 1
+    three.write_bytes(raw)
+    with pytest.raises(MemoryFormatError, match="does not match its checksum"):
+        read_part(three, PartRecord(1, 0, 1, size, checksum, "d"), threads=2)
+
+
+def test_a_part_is_read_as_a_mapping_that_outlives_its_file_and_an_empty_part_reads_empty(tmp_path):
+    path = tmp_path / "part.bin"
+    data = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    size, checksum = write_part(path, [memoryview(data.numpy()).cast("B")])
+    held = read_part(path, PartRecord(1, 0, 1, size, checksum, "d"))
+    path.unlink()  # a node's directory may be cleared while a restore still sends what it read
+    gc.collect()
+    assert torch.equal(held, data)
+    size, checksum = write_part(path, [memoryview(b"")])
+    assert size == 0 and read_part(path, PartRecord(1, 0, 1, 0, checksum, "d")).numel() == 0
 
 
 def test_a_part_rewritten_with_fewer_bytes_holds_exactly_the_new_ones(tmp_path):

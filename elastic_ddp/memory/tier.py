@@ -112,6 +112,15 @@ def _place_key(memory_dir: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
+def _cores_per_rank(local_world_size: int) -> int:
+    """The CPU cores this process may use divided among the node's ranks (at least 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size))
+
+
 def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
     return {name: obj.state_dict() for name, obj in state.items()}
 
@@ -164,6 +173,14 @@ class MemoryTier:
         self._stall_since_tick = 0.0
         self.saves = 0
         self._copies: DeviceCopies | None = None  # the device-to-host copies of saves on a GPU
+        # Threads a part's checksum may use (elastic_ddp/memory/store.py): at a restore nothing else
+        # runs, so the rank's whole share of the cores. While training on a GPU, half of it -- the
+        # rest is the training process's own (its loop, data loading, NCCL's threads), and a save
+        # then writes about as fast as the bytes go into tmpfs instead of write + hash. On the CPU
+        # the cores belong to the training step: one thread, and its CPU time counts as a save's cost.
+        cores = _cores_per_rank(local_world_size)
+        self.read_threads = cores
+        self.write_threads = 1 if device.type == "cpu" else max(1, min(4, cores // 2))
         self.failed: str | None = None
         self.disabled: str | None = None  # why the tier turned itself off at the survey
 
@@ -285,7 +302,7 @@ class MemoryTier:
                     raise MemoryFormatError(f"The state of step {offer.step} in {self.store.slot_path(offer.slot)} is no longer complete.")
                 mine = [i for i in range(len(found.records)) if ranks[i % len(ranks)] == self.rank]
                 for part in mine:
-                    held[part] = self.store.read(found, part)
+                    held[part] = self.store.read(found, part, self.read_threads)
                 if self.rank == ranks[0]:
                     index_text = json.dumps(found.index).encode()
             except MemoryFormatError as exc:
@@ -473,7 +490,7 @@ class MemoryTier:
                 f"{self.timeout_s:.0f} s (checkpoint.timeout_s)."
             )
         self.store.uncommit(slot, record.part)
-        size, checksum = self.store.write(slot, record.part, [memoryview(buffer.numpy()).cast("B")])
+        size, checksum = self.store.write(slot, record.part, [memoryview(buffer.numpy()).cast("B")], self.write_threads)
         self.store.commit(slot, PartRecord(record.step, record.part, record.parts, size, checksum, record.digest, record.index))
 
     def _wait_writer(self) -> bool:
