@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from elastic_ddp.memory import store as store_module
+from elastic_ddp.memory import tier as tier_module
 from elastic_ddp.memory.copies import optimizer_storages
 from elastic_ddp.memory.policy import MAX_INTERVAL, Candidate, choose_resume, interval
 from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord, read_part, run_dir_name, write_part
@@ -336,6 +337,21 @@ def test_a_node_state_restores_bitwise_into_fresh_objects(tmp_path):
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert target["count"].seen == 1
+    reader.close()
+
+
+def test_a_restore_in_slices_smaller_than_its_parts_and_tensors_is_still_bitwise(tmp_path, monkeypatch):
+    # A large state is sent in slices that cut through parts and tensors alike.
+    monkeypatch.setattr(tier_module, "BROADCAST_BYTES", 64)
+    saved, _ = make_state(1)
+    expected = flat(saved)
+    save_node(tmp_path, saved, step=7, local_world_size=2)
+    target, _ = make_state(2)
+    reader = tier(tmp_path)
+    assert reader._slice_bytes() == 64
+    assert reader.restore(reader.survey(target, fresh=False), 0, target)
+    got = flat(target)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
     reader.close()
 
 
