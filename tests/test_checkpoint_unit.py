@@ -109,6 +109,38 @@ def save_steps(mgr: CheckpointManager, model, opt, steps, **kw) -> dict[int, tup
     return snapshots
 
 
+def test_model_and_optimizer_state_dicts_are_torchs_and_follow_a_model_that_changes(monkeypatch) -> None:
+    # The adapters check torch's options once (the memory tier takes these every few steps) and
+    # again only when the parameters change.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    import elastic_ddp.state as state_module
+
+    checks = []
+    original = state_module._verify_options
+    monkeypatch.setattr(state_module, "_verify_options", lambda *a, **k: checks.append(1) or original(*a, **k))
+    model, opt = tiny()
+    model_state, optim_state = ModelState(model), OptimizerState(model, opt)
+
+    def same(got: dict, want: dict) -> bool:
+        def tensor(t: torch.Tensor) -> list:  # the same live storage, shape and dtype
+            return [t.data_ptr(), list(t.shape), str(t.dtype)]
+
+        return json.dumps(got, default=tensor, sort_keys=True) == json.dumps(want, default=tensor, sort_keys=True)
+
+    for _ in range(3):
+        train(model, opt)
+        assert same(model_state.state_dict(), get_model_state_dict(model))
+        assert same(optim_state.state_dict(), get_optimizer_state_dict(model, opt))
+    assert len(checks) == 2
+    model.append(torch.nn.Linear(2, 2))  # a new layer, and its parameters in the optimizer
+    opt.add_param_group({"params": list(model[2].parameters())})
+    train(model, opt)
+    assert "2.weight" in model_state.state_dict() and "2.weight" in optim_state.state_dict()["state"]
+    assert same(optim_state.state_dict(), get_optimizer_state_dict(model, opt))
+    assert len(checks) == 4
+
+
 def test_save_load_roundtrip_restores_model_optimizer_registered_objects_and_rng(mem_url: str) -> None:
     model, opt = tiny()
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)

@@ -355,6 +355,49 @@ def test_a_restore_in_slices_smaller_than_its_parts_and_tensors_is_still_bitwise
     reader.close()
 
 
+class Table:
+    """A user's object whose state dict holds a non-contiguous view and, each call, a fresh tensor."""
+
+    def __init__(self) -> None:
+        self.table = torch.arange(12.0).reshape(3, 4)
+
+    def state_dict(self) -> dict:
+        return {"columns": self.table.t(), "total": self.table.sum().reshape(1)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.table.copy_(state["columns"].t())
+
+
+def test_each_save_takes_the_states_bytes_as_they_are_in_place_changed_replaced_or_new(tmp_path):
+    # A save reuses its views of tensors that stay at the same address (see MemoryTier._pieces):
+    # bytes changed in place, a parameter given new storage, a non-contiguous view and a tensor
+    # made fresh by each state_dict() must all be saved as they are at that save.
+    state, model = make_state(1)
+    state["table"] = Table()
+    saver = tier(tmp_path)
+    saver.survey(state, fresh=True)
+    for step in range(1, 5):
+        with torch.no_grad():
+            if step == 3:
+                model[0].weight.data = model[0].weight.data + 1  # new storage, same shape
+            else:
+                model[0].weight.add_(1)
+            state["table"].table.mul_(2)
+        saver.save(step, state)
+        assert saver._wait_writer()
+        expected = flat(state) | {"table": state["table"].table.clone()}
+        target, _ = make_state(2)
+        target["table"] = Table()
+        reader = tier(tmp_path)
+        survey = reader.survey(target, fresh=False)
+        assert [(c.node, c.step) for c in survey.candidates()] == [(0, step)]
+        assert reader.restore(survey, 0, target)
+        got = flat(target) | {"table": target["table"].table}
+        assert all(torch.equal(got[k], expected[k]) for k in expected), step
+        reader.close()
+    saver.close()
+
+
 def test_a_damaged_part_is_refused_before_anything_is_loaded(tmp_path):
     saved, _ = make_state(1)
     save_node(tmp_path, saved, step=7)

@@ -70,17 +70,6 @@ def snapshot(state: Mapping[str, Any], rank_state: Mapping[str, Any] | None) -> 
         rank_trees, rank_tensors, _ = flatten_named(rank_state)
     return Snapshot(trees, tuple(tensors), specs, rank_trees, tuple(rank_tensors), digest)
 
-    if isinstance(encoded, list):
-        return [_shift(v, offset) for v in encoded]
-    if isinstance(encoded, dict):
-        [(kind, value)] = encoded.items()
-        if kind == "tensor":
-            return {"tensor": value + offset}
-        if kind == "tuple":
-            return {"tuple": [_shift(v, offset) for v in value]}
-        return {"dict": [[k, _shift(v, offset)] for k, v in value]}
-    return encoded
-
 
 @dataclass(frozen=True)
 class WriteJob:

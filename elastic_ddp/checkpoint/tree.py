@@ -116,6 +116,11 @@ def flatten(tree: Any, path: Path = ()) -> tuple[Any, list[torch.Tensor], list[P
     """
     tensors: list[torch.Tensor] = []
     paths: list[Path] = []
+    return _flatten_into(tree, path, tensors, paths), tensors, paths
+
+
+def _flatten_into(tree: Any, path: Path, tensors: list[torch.Tensor], paths: list[Path]) -> Any:
+    """:func:`flatten`, appending to ``tensors`` and ``paths``: references number on from what they hold."""
 
     def walk(node: Any, where: Path) -> Any:
         if isinstance(node, torch.Tensor):
@@ -140,7 +145,7 @@ def flatten(tree: Any, path: Path = ()) -> tuple[Any, list[torch.Tensor], list[P
             "holds tensors and plain values (None, bool, int, float, str, and lists, tuples and dicts of these)."
         )
 
-    return walk(tree, path), tensors, paths
+    return walk(tree, path)
 
 
 def flatten_named(trees: Mapping[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor], list[Path]]:
@@ -153,27 +158,8 @@ def flatten_named(trees: Mapping[str, Any]) -> tuple[dict[str, Any], list[torch.
     tensors: list[torch.Tensor] = []
     paths: list[Path] = []
     for name, tree in trees.items():
-        enc, found, where = flatten(tree, (name,))
-        encoded[name] = _shift(enc, len(tensors))
-        tensors.extend(found)
-        paths.extend(where)
+        encoded[name] = _flatten_into(tree, (name,), tensors, paths)
     return encoded, tensors, paths
-
-
-def _shift(encoded: Any, offset: int) -> Any:
-    """Renumber the tensor references of one encoded tree by ``offset``."""
-    if not offset:
-        return encoded
-    if isinstance(encoded, list):
-        return [_shift(v, offset) for v in encoded]
-    if isinstance(encoded, dict):
-        [(kind, value)] = encoded.items()
-        if kind == "tensor":
-            return {"tensor": value + offset}
-        if kind == "tuple":
-            return {"tuple": [_shift(v, offset) for v in value]}
-        return {"dict": [[k, _shift(v, offset)] for k, v in value]}
-    return encoded
 
 
 def _decode_key(data: Any, where: str) -> Any:
