@@ -36,7 +36,7 @@ TITLE = "Memory-tier parts in tmpfs: write + checksum and verified read vs the r
 PART_MB = 512
 
 
-def _best_of(fn, times: int = 3) -> float:
+def _median_s(fn, times: int = 3) -> float:
     """The median of ``times`` timed calls of ``fn`` (seconds)."""
     samples = []
     for _ in range(times):
@@ -82,7 +82,7 @@ def run(ctx: Context) -> Result:
             assert hasher.hexdigest() == checksum
 
         def timed(fn):
-            return lambda _: {"s": _best_of(fn)}
+            return lambda _: {"s": _median_s(fn)}
 
         writes = alternate(
             {

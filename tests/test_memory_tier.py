@@ -260,7 +260,7 @@ def test_only_parameters_and_optimizer_state_count_as_changed_by_the_optimizer_a
     assert not storages(model.buffers()) & owned  # BatchNorm's running statistics change in forward
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the side-stream copies exist only on GPUs")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the side-stream copies exist only on GPUs (.ci/device-check runs these)")
 
 
 def cuda_state(seed: int) -> tuple[dict, torch.nn.Module, torch.optim.Optimizer]:

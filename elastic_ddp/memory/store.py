@@ -162,7 +162,12 @@ def write_part(path: Path, buffers: Iterable[memoryview], threads: int = 1) -> t
     hasher = blake3.blake3(max_threads=max(1, threads - 1))
     hashing: concurrent.futures.Future | None = None
     if threads > 1:
-        hashing = _helper().submit(lambda: [hasher.update(view) for view in views])
+
+        def hash_all() -> None:
+            for view in views:
+                hasher.update(view)
+
+        hashing = _helper().submit(hash_all)
     size = 0
     try:
         with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as file:

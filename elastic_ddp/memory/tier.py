@@ -270,12 +270,16 @@ class MemoryTier:
         dist.all_gather(out, mine, group=self._group)
         return [t.tolist() for t in out]
 
-    def _all_ok(self, ok: bool) -> bool:
+    def _all_min(self, value: int) -> int:
+        """Collective: the smallest ``value`` of any rank."""
         if self._group is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
+            return value
+        agreed = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._group)
+        return int(agreed.item())
+
+    def _all_ok(self, ok: bool) -> bool:
+        return bool(self._all_min(int(ok)))
 
     def _slice_bytes(self) -> int:
         """Collective: bytes per restore broadcast, the same on every rank (they must issue the same
@@ -284,11 +288,7 @@ class MemoryTier:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             limit = min(limit, max(MIN_BROADCAST_BYTES, free // 4))
-        if self._group is None:
-            return limit
-        agreed = torch.tensor([limit], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._group)
-        return int(agreed.item())
+        return self._all_min(limit)
 
     def _broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
         if self._group is None:
