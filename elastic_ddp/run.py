@@ -73,7 +73,7 @@ from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo
 from elastic_ddp.failures import FailureReport, RecurringFailureError
 from elastic_ddp.logs import configure_logging
 from elastic_ddp.memory.policy import choose_resume
-from elastic_ddp.memory.tier import MemoryTier, MemoryTierError
+from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier, MemoryTierError
 from elastic_ddp.metrics import (
     ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_MEMBERSHIP, ENDED_STOPPED, Metrics, create_metrics,
 )  # fmt: skip
@@ -518,7 +518,7 @@ class Run:
         ledger = StepLedger(self.cfg.run.dir, rank=self.rank, world_size=self.world_size, resume_step=self.step,
                             enabled=data.ledger)  # fmt: skip
         memory = self._memory
-        agreement = StopAgreement(self._stop_signal, self._control, values=3)
+        agreement = StopAgreement(self._stop_signal, self._control, values=REPORT_SIZE)
         if self.step >= end:
             log.info("[%d/%d] Nothing to train: the run is at step %d of %d.", self.rank, self.step, self.step, end)
             self.ended = ENDED_FINISHED
@@ -535,7 +535,7 @@ class Run:
                 step._check_complete()
                 self.step, self._data.cursor = batch.step, batch.cursor_after
                 self.failures.step = self.step
-                stop = agreement.after_step(memory.report() if memory is not None else (0.0, 0.0, 0.0))
+                stop = agreement.after_step(memory.report() if memory is not None else (0.0,) * REPORT_SIZE)
                 exiting = self.step == end
                 loss = None
                 if data.ledger or self._metrics.should_log(self.step):
@@ -611,6 +611,7 @@ class Run:
             scalars["memory/stall_s"] = self._memory.stall_s
             scalars["memory/save_cost_s"] = self._memory.cost_s
             scalars["memory/write_s"] = self._memory.write_s
+            scalars["memory/saves"] = float(self._memory.saves)
         if self._steps_redone is not None and self.step == self._metrics.start_step:
             scalars["elastic/steps_redone"] = float(self._steps_redone)
         self._metrics.log_step(self.step, scalars)

@@ -7,12 +7,15 @@ every part without talking), copies *its* part to a host buffer -- on a GPU para
 optimizer state on a side stream that the next ``optimizer.step()`` waits for
 (:mod:`elastic_ddp.memory.copies`) -- and a background thread writes it into the node's tmpfs
 with its checksum and commits it (:mod:`elastic_ddp.memory.store`). How often:
-:func:`elastic_ddp.memory.policy.interval` from the largest measured cost of a save, step time and
-write time of all ranks, which ride on the per-step stop agreement, so every rank saves the same
-steps without another collective. A save's cost is its stall plus, when training runs on the CPU,
-the CPU time of its background write: there the write takes cores from the training step
-(torchrun gives each rank its share of them), while on a GPU it runs on host cores the step does
-not use.
+:func:`elastic_ddp.memory.policy.interval` from the largest over the ranks of the recent median cost
+of a save, step time and write time, which ride on the per-step stop agreement, so every rank
+saves the same steps without another collective. A save's cost is its stall plus what its
+background work takes from the steps it overlaps: measured directly -- on the CPU the write's CPU
+time (the ranks share the cores with it), on a GPU the device-to-host copies' time on the training
+stream (the write runs on host cores the step does not use) -- or, where larger, from the step
+times themselves: the steps a write overlaps against the steps between saves that it does not
+(:func:`elastic_ddp.memory.policy.background_cost`), which also counts what no direct measure sees
+(caches and memory bandwidth shared with the step, a rank waiting for a slower one).
 
 Resuming (collective, before training): :meth:`MemoryTier.survey` all-gathers what each node's
 memory holds (newest complete step, the last step the node completed) and checks that every
@@ -29,9 +32,12 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
+import statistics
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,11 +48,11 @@ import torch.distributed as dist
 from elastic_ddp.checkpoint.layout import plan
 from elastic_ddp.checkpoint.tree import TensorSpec, TreeError, flatten_named, leaf, path_text, unflatten
 from elastic_ddp.memory.copies import DeviceCopies
-from elastic_ddp.memory.policy import Candidate, interval
+from elastic_ddp.memory.policy import Candidate, background_cost, interval
 from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord
 from elastic_ddp.state import OptimizerState
 
-__all__ = ["MemoryTier", "MemoryTierError", "NodeOffer", "Survey"]
+__all__ = ["REPORT_SIZE", "MemoryTier", "MemoryTierError", "NodeOffer", "Survey"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,21 @@ BROADCAST_BYTES = 1 << 30
 MIN_BROADCAST_BYTES = 64 << 20
 # Room left free beside the two slots (commit records, the index, tmpfs rounding).
 SPACE_MARGIN = 16 << 20
+# The interval follows the medians of the last few measurements, not the last one: one step's
+# time varies by tens of percent on a busy host (a noisy neighbour, a data-loader hiccup, a
+# collective that waited), and an interval that follows each step swings 1 to 12 at a steady
+# 2 % budget -- and, since a save's share of the step goes as 1 / interval, more overhead on
+# average than a steady interval of the same mean. A step is a fraction of a second, a save a few
+# steps: 32 steps and 8 saves still follow a real change (a longer sequence, a new world size)
+# within seconds.
+STEP_WINDOW = 32
+SAVE_WINDOW = 8
+# Steps kept, with their phase (steps since the last save), for what a save's background work
+# takes from the steps it overlaps (elastic_ddp/memory/policy.py: background_cost): ~100 saves at
+# a save every 5 steps, enough for a phase's median to hold still.
+PHASE_HISTORY = 512
+# The numbers each rank's report() puts on the per-step agreement.
+REPORT_SIZE = 4
 
 
 class MemoryTierError(RuntimeError):
@@ -114,6 +135,10 @@ def _size(nbytes: int) -> str:
 def _place_key(memory_dir: str) -> int:
     text = f"{socket.gethostname()}\0{os.path.realpath(memory_dir)}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _median(values: deque[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 def _cores_per_rank(local_world_size: int) -> int:
@@ -175,6 +200,14 @@ class MemoryTier:
         self.write_cpu_s = 0.0  # CPU time of the last finished background write (its thread's)
         self.write_s = 0.0  # wall time of the last finished background write, start to commit
         self.step_s = 0.0
+        # The recent measurements behind report(): step times without a save's stall, save costs, writes.
+        self._recent_steps: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._recent_costs: deque[float] = deque(maxlen=SAVE_WINDOW)
+        self._recent_writes: deque[float] = deque(maxlen=SAVE_WINDOW)
+        self._phases: deque[tuple[int, float]] = deque(maxlen=PHASE_HISTORY)  # (steps since a save, step time)
+        self._since_save: int | None = None
+        self.copies_s = 0.0  # on a GPU: what the last measured copies cost the training stream
+        self.background_s: float | None = None  # background_cost() at the last save; None: not told yet
         self._last_tick: float | None = None
         self._stall_since_tick = 0.0
         self.saves = 0
@@ -404,6 +437,10 @@ class MemoryTier:
         now = time.perf_counter()
         if self._last_tick is not None:
             self.step_s = max(now - self._last_tick - self._stall_since_tick, 0.0)
+            self._recent_steps.append(self.step_s)
+            if self._since_save is not None:
+                self._since_save += 1
+                self._phases.append((self._since_save, self.step_s))
         self._last_tick, self._stall_since_tick = now, 0.0
         if self.local_rank == 0:
             self.store.note_step(step)
@@ -411,22 +448,38 @@ class MemoryTier:
             self.interval, self.interval_why = self.every_steps, f"checkpoint.memory_every_steps={self.every_steps}"
         elif agreed is not None:
             self.interval, self.interval_why = interval(agreed[0], agreed[1], self.overhead, agreed[2])
+            if self.interval == 1 and agreed[3] > 0:
+                # Saving every step leaves no step between saves to weigh the background work
+                # against: every 2nd step until every rank can tell (~64 steps, again when the
+                # last such steps have left the history, so every ~500 steps).
+                self.interval = 2
+                self.interval_why += "; every 2 steps until the steps between saves tell what the background work costs"
         if step >= self._next_due:
             # Subtracted from the next step's time: the interval weighs the stall against a step without it.
             self.stall_s = self.save(step, state)
             self._stall_since_tick = self.stall_s + self.waited_s
             self._next_due = step + self.interval
+            self._since_save = 0
+            # Here, not in the save: its time (~0.1 ms) falls in the next step, which it then measures.
+            touched = math.ceil(_median(self._recent_writes) / max(_median(self._recent_steps), 1e-9))
+            self.background_s = background_cost(self._phases, touched)
 
     @property
     def cost_s(self) -> float:
-        """What the last save cost the training loop: its stall, plus its background write's CPU time
-        when training computes on the CPU (see the module docstring)."""
-        return self.stall_s + (self.write_cpu_s if self.device.type == "cpu" else 0.0)
+        """What a save costs the training loop: its stall, plus what its background work takes from the
+        steps it overlaps -- measured directly (on the CPU the write's CPU time, on a GPU the copies'
+        time on the training stream) or, where larger, from the steps' times
+        (:func:`elastic_ddp.memory.policy.background_cost`; see the module docstring)."""
+        direct = self.write_cpu_s if self.device.type == "cpu" else self.copies_s
+        return self.stall_s + max(direct, self.background_s or 0.0)
 
-    def report(self) -> tuple[float, float, float]:
-        """(cost of the last save, time of the last step without its stall, time of the last background
-        write): this rank's share of the agreement."""
-        return self.cost_s, self.step_s, self.write_s
+    def report(self) -> tuple[float, float, float, float]:
+        """This rank's share of the agreement (``REPORT_SIZE`` numbers): the medians of the recent save
+        costs, step times without a save's stall, and background writes (see ``STEP_WINDOW``; zeros
+        before the first of each), and 1.0 while the step times cannot yet tell what a save's
+        background work costs (:attr:`background_s` is None), else 0.0."""
+        untold = 1.0 if self.background_s is None else 0.0
+        return _median(self._recent_costs), _median(self._recent_steps), _median(self._recent_writes), untold
 
     def save(self, step: int, state: Mapping[str, Any]) -> float:
         """Stage this rank's part of the state after ``step`` and write it in the background; the stall (s).
@@ -484,8 +537,9 @@ class MemoryTier:
         self._pending = self._pool.submit(self._write, slot, previous, record, self._buffer, copies)
         self._previous, self._slot = (slot, step), 1 - slot
         self.saves += 1
-        # On GPUs the stall also counts the device-to-host copies, timed at the previous save.
-        return time.perf_counter() - started - self.waited_s + (self._copies.cost_s if on_gpu else 0.0)
+        # On GPUs what the device-to-host copies cost the training stream, timed at the previous save.
+        self.copies_s = self._copies.cost_s if on_gpu else 0.0
+        return time.perf_counter() - started - self.waited_s
 
     def _pieces(
         self, mine: list[tuple[int, int, int]], tensors: list[torch.Tensor], specs: tuple[TensorSpec, ...]
@@ -546,12 +600,15 @@ class MemoryTier:
         pending, self._pending = self._pending, None
         try:
             pending.result()
-            return True
         except Exception as exc:  # noqa: BLE001 - a failed memory save must not stop training: durable still works
             self.failed = f"{type(exc).__name__}: {exc}"
             log.error("[%d/-] The memory tier stops on this rank after a failed save (%s); durable checkpoints go on.",
                       self.rank, self.failed)  # fmt: skip
             return False
+        # The save is complete: its stall (not yet replaced by the next save's) and its write's times.
+        self._recent_costs.append(self.cost_s)
+        self._recent_writes.append(self.write_s)
+        return True
 
     # --------------------------------------------------------------------------------- teardown
 
