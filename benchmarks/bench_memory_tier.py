@@ -3,7 +3,10 @@
 Step time, alternated: the recipe with the memory tier off (``--checkpoint.memory_overhead=0``), at
 the default budget (0.02: the interval comes from the measured stall), and forced to save every
 step (``--checkpoint.memory_every_steps=1``). No durable checkpoint during the window. Memory goes
-to the default ``/dev/shm`` directory, a tmpfs, as in production.
+to the default ``/dev/shm`` directory, a tmpfs, as in production. On CPUs each step is logged, and
+the tier's overhead is also measured within the run at the default budget (:func:`within_run`):
+on a shared machine two runs a minute apart differ by more than the budget, steps seconds apart
+do not.
 
 Steps redone per hard loss: a worker is SIGKILLed as step K starts (``ELASTIC_DDP_FAULT=kill@K``)
 and torchrun restarts the group, which resumes from the newest state it can find; steps redone
@@ -20,6 +23,7 @@ part of the stall and the background write has cores of its own, as on a GPU nod
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -32,6 +36,7 @@ ON = "--checkpoint.memory_overhead=0.02"  # the budget the deploy manifests set
 NAME = "memory_tier"
 TITLE = "Memory tier: step-time cost and steps redone per hard loss"
 DURABLE_EVERY = 25
+MIN_SAVES = 20  # for the overhead within a run: fewer, and one slow step moves a phase's median
 GPU = Workload(n_layer=8, n_head=12, n_embd=768, block_size=256, global_batch_size=32)
 
 
@@ -50,8 +55,9 @@ def steps_redone(work, root: Path, kill_at: int, *extra: str, nproc: int = 2) ->
     return float(kill_at - 1 - record["step"])
 
 
-def tier_choice(tensorboard: Path) -> dict[str, float]:
-    """The interval the tier chose last and the median cost per save it measured (TensorBoard), if on."""
+def tier_choice(tensorboard: Path, first: int, last: int) -> dict[str, float]:
+    """What the tier chose and measured (TensorBoard), if on: its last interval, the median cost per
+    save it measured, and -- where steps were logged one by one -- the overhead within the run."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tensorboard), size_guidance={"scalars": 0})
@@ -59,8 +65,43 @@ def tier_choice(tensorboard: Path) -> dict[str, float]:
     tags = events.Tags()["scalars"]
     if "memory/interval_steps" not in tags:
         return {}
-    cost_s = statistics.median(e.value for e in events.Scalars("memory/save_cost_s"))
-    return {"interval": events.Scalars("memory/interval_steps")[-1].value, "save_cost_ms": 1000 * cost_s}
+    per_step = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in tags}
+    cost_s = statistics.median(per_step["memory/save_cost_s"].values())
+    choice = {"interval": events.Scalars("memory/interval_steps")[-1].value, "save_cost_ms": 1000 * cost_s}
+    return choice | within_run(per_step["perf/step_time_s"], per_step["memory/saves"],
+                               statistics.median(per_step["memory/write_s"].values()), first, last)  # fmt: skip
+
+
+def within_run(step_s: dict[int, float], saves: dict[int, float], write_s: float, first: int, last: int) -> dict[str, float]:
+    """The tier's overhead measured inside one run: steps a save touches against the steps it does not.
+
+    A save's stall falls in the step it follows (phase 0), its background write in the next
+    ``ceil(write / step)`` steps; the other steps of the same run, interleaved with those within
+    seconds, are the run without the tier -- so the host's drift (±15 % between runs of a minute
+    here) cancels, which no comparison of separate runs can do. Excess per save: the sum over the
+    touched phases of each phase's median step time minus the untouched steps' median; overhead
+    per step: excess × saves / steps. Empty when steps were not logged one by one, the window holds
+    fewer than ``MIN_SAVES`` saves, or no step is untouched (a save every step, or writes as long as
+    the interval).
+    """
+    window = [s for s in range(first + 1, last + 1) if s in step_s and s in saves and s - 1 in saves]
+    if len(window) < (last - first) // 2:
+        return {}
+    phase: dict[int, list[float]] = {}
+    since = None
+    for s in window:
+        since = 0 if saves[s] > saves[s - 1] else None if since is None else since + 1
+        if since is not None:
+            phase.setdefault(since, []).append(step_s[s])
+    typical = statistics.median(x for xs in phase.values() for x in xs)
+    touched = range(0, 1 + math.ceil(write_s / typical))
+    untouched = [x for k, xs in phase.items() if k not in touched for x in xs]
+    if len(phase.get(0, ())) < MIN_SAVES or not untouched or any(k not in phase for k in touched):
+        return {}
+    clean = statistics.median(untouched)
+    excess = sum(statistics.median(phase[k]) - clean for k in touched)
+    overhead = excess * len(phase[0]) / sum(map(len, phase.values())) / clean
+    return {"excess_ms": 1000 * excess, "within_ratio": 1 / (1 + overhead)}
 
 
 def run(ctx: Context) -> Result:
@@ -73,11 +114,16 @@ def run(ctx: Context) -> Result:
     first, last = log_every, (3 if ctx.smoke else 10 if gpus else 20) * log_every
     kill_at = 38
 
+    # On CPUs every step is logged (in every variant alike), for the overhead within the run: two
+    # runs a minute apart differ by more than the 2 % budget here. GPU steps are steady between
+    # runs, and a loss read every step would be a host sync the recipe does not make.
+    every_log = log_every if gpus else 1
+
     def rate(name: str, *extra: str):
         def measure(i: int) -> dict[str, float]:
             root = ctx.scratch(f"{NAME}/{name}{i}")
-            steps_per_s = recipe_rate(work, root, first, last, log_every, 0, *extra, nproc=ranks)
-            return {"steps_per_s": steps_per_s, **tier_choice(root / "bench" / "tensorboard")}
+            steps_per_s = recipe_rate(work, root, first, last, every_log, 0, *extra, nproc=ranks)
+            return {"steps_per_s": steps_per_s, **tier_choice(root / "bench" / "tensorboard", first, last)}
 
         return measure
 
@@ -106,17 +152,36 @@ def run(ctx: Context) -> Result:
         samples=samples,
     )
     every = "every_step" in speed
+    budget = samples["budget"]
+    within = len(budget.get("within_ratio", ())) == ctx.repeats
     result.rows = [
         row("memory tier off", speed["off"], "steps/s"),
         row("memory tier, default budget (0.02)", speed["budget"], "steps/s"),
         *([row("memory tier, every step", speed["every_step"], "steps/s")] if every else []),
-        row("default budget / off", ratios(speed["budget"], speed["off"]), "ratio", Target(">=", 0.98)),
-        row("interval the tier chose at the default budget", samples["budget"]["interval"], "steps"),
-        row("cost per save the tier measured (median)", samples["budget"]["save_cost_ms"], "ms",
-            note="its stall; on CPUs also the background write's CPU time"),
+        # The target goes where the measurement can tell 2 %: between runs on GPUs (steps repeat
+        # within 0.05 % there), within the run on CPUs (see the notes).
+        row("default budget / off (between runs)", ratios(speed["budget"], speed["off"]), "ratio",
+            None if within else Target(">=", 0.98)),
+        *([row("default budget / off (within the run: steps a save touches vs the rest)", budget["within_ratio"],
+               "ratio", Target(">=", 0.98))] if within else []),
+        row("interval the tier chose at the default budget", budget["interval"], "steps"),
+        row("cost per save the tier measured (median)", budget["save_cost_ms"], "ms",
+            note="its stall, plus the larger of its background work measured directly and from the steps it overlaps"),
+        *([row("cost per save within the run (excess step time)", budget["excess_ms"], "ms")] if within else []),
         *([row("every step / off", ratios(speed["every_step"], speed["off"]), "ratio",
                note="the cost of saving every step whatever the budget")] if every else []),
         row(f"steps redone per hard loss, durable only (every {DURABLE_EVERY})", lost["durable_only"]["redone"], "steps"),
         row("steps redone per hard loss, memory tier (default budget)", lost["memory_tier"]["redone"], "steps"),
     ]  # fmt: skip
+    if within:
+        off = speed["off"]
+        result.notes = [
+            f"Between runs, each ratio compares two runs a minute apart; the tier-off runs alone ranged "
+            f"{min(off):.1f}–{max(off):.1f} steps/s here, more than the 2 % budget, so that ratio cannot show "
+            "the target either way and carries none.",
+            "Within the run (default budget, every step logged): the steps a save touches -- its own, with its "
+            "stall, and the ceil(write / step) steps after it, while its write runs -- against the other steps "
+            "of the same run, median against median; overhead per step = excess per save × saves / steps. "
+            "Steps seconds apart share the host's state, so its drift cancels.",
+        ]
     return result
