@@ -32,17 +32,29 @@ MAX_INTERVAL = 1000
 AIM = 0.8
 
 
-def interval(cost_s: float, step_s: float, budget: float, write_s: float = 0.0) -> tuple[int, str]:
+def interval(
+    cost_s: float, step_s: float, budget: float, write_s: float = 0.0, told: bool = True
+) -> tuple[int, str]:
     """Steps between memory saves so that ``cost_s / steps <= AIM * budget * step_s``, and why.
 
     ``cost_s``: the training time one memory save takes (its stall, and what its background write
     takes from training); ``step_s``: the time of a step without a save; ``budget``: the allowed
     fraction of step time (e.g. 0.02); ``write_s``: how long a save's background write takes from
     its start to its commit. Never fewer steps than the write takes: a save that found the previous
-    write still running would wait for it. 1 when it fits every step (or nothing was measured yet).
+    write still running would wait for it. 1 when it fits every step (or nothing was measured yet),
+    unless not ``told``: while the step times cannot yet tell what a save's background work costs
+    (:func:`background_cost`), every 2nd step -- saving every step leaves no step between saves to
+    weigh it against.
     """
     if budget <= 0:
         raise ValueError(f"The memory tier's overhead budget ({budget}) must be positive.")
+    steps, why = _within_budget(cost_s, step_s, budget, write_s)
+    if steps == 1 and not told:
+        return 2, why + "; every 2 steps until the steps between saves tell what the background work costs"
+    return steps, why
+
+
+def _within_budget(cost_s: float, step_s: float, budget: float, write_s: float) -> tuple[int, str]:
     if cost_s <= 0 or step_s <= 0:
         return 1, "no measurement yet: every step"
     by_cost = max(1, math.ceil(cost_s / (AIM * budget * step_s)))

@@ -447,13 +447,9 @@ class MemoryTier:
         if self.every_steps:
             self.interval, self.interval_why = self.every_steps, f"checkpoint.memory_every_steps={self.every_steps}"
         elif agreed is not None:
-            self.interval, self.interval_why = interval(agreed[0], agreed[1], self.overhead, agreed[2])
-            if self.interval == 1 and agreed[3] > 0:
-                # Saving every step leaves no step between saves to weigh the background work
-                # against: every 2nd step until every rank can tell (~64 steps, again when the
-                # last such steps have left the history, so every ~500 steps).
-                self.interval = 2
-                self.interval_why += "; every 2 steps until the steps between saves tell what the background work costs"
+            # Not told while any rank's step times cannot tell the background cost: ~64 steps, and
+            # again when the last steps between saves have left the history (every ~500 steps).
+            self.interval, self.interval_why = interval(agreed[0], agreed[1], self.overhead, agreed[2], told=agreed[3] == 0)
         if step >= self._next_due:
             # Subtracted from the next step's time: the interval weighs the stall against a step without it.
             self.stall_s = self.save(step, state)
