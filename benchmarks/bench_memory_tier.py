@@ -93,10 +93,13 @@ def within_run(step_s: dict[int, float], saves: dict[int, float], write_s: float
         since = 0 if saves[s] > saves[s - 1] else None if since is None else since + 1
         if since is not None:
             phase.setdefault(since, []).append(step_s[s])
+    # Checked before any median: a short window at a long interval may hold no save at all.
+    if len(phase.get(0, ())) < MIN_SAVES:
+        return {}
     typical = statistics.median(x for xs in phase.values() for x in xs)
     touched = range(0, 1 + math.ceil(write_s / typical))
     untouched = [x for k, xs in phase.items() if k not in touched for x in xs]
-    if len(phase.get(0, ())) < MIN_SAVES or not untouched or any(k not in phase for k in touched):
+    if not untouched or any(k not in phase for k in touched):
         return {}
     clean = statistics.median(untouched)
     excess = sum(statistics.median(phase[k]) - clean for k in touched)
