@@ -144,6 +144,7 @@ def test_model_and_optimizer_state_dicts_are_torchs_and_follow_a_model_that_chan
 def test_save_load_roundtrip_restores_model_optimizer_registered_objects_and_rng(mem_url: str) -> None:
     model, opt = tiny()
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    train(model, opt)  # a step as a loop takes it: the optimizer's, then the scheduler's
     scheduler.step()
     mgr = manager(mem_url)
     cursor = Box(epoch=1, offset=96, betas=(0.9, 0.95), name="x", nothing=None)
