@@ -316,13 +316,41 @@ def test_rank_slices_are_contiguous_and_uneven_by_at_most_one(batch_size, world_
         rank_slice(indices, 5, 5)
 
 
-def test_micro_batches_split_in_order():
+def test_micro_batches_split_in_order_into_the_fewest_balanced_chunks():
     assert micro_batches([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
-    assert micro_batches([1, 2, 3], 0) == [[1, 2, 3]]
-    assert micro_batches([1, 2, 3], 8) == [[1, 2, 3]]
+    assert micro_batches([1, 2, 3], 0) == [[1, 2, 3]]  # 0: no limit
+    assert micro_batches(list(range(50)), 0) == [list(range(50))]
+    assert micro_batches([1, 2, 3], 8) == [[1, 2, 3]]  # a share below the limit stays whole
+    assert micro_batches([4, 5], 2) == [[4, 5]]
     assert micro_batches([], 2) == []
+    assert micro_batches([], 0) == []
     with pytest.raises(ValueError, match=r"micro_batch_size \(-1\)"):
         micro_batches([1], -1)
+
+
+def test_micro_batches_never_leave_a_lone_remainder():
+    # Greedy cuts gave 10 + 1 and 10 + 10 + 5; the 1-sample micro-batch crashed BatchNorm.
+    eleven = list(range(100, 111))
+    assert micro_batches(eleven, 10) == [eleven[:6], eleven[6:]]
+    assert [len(mb) for mb in micro_batches(list(range(25)), 10)] == [9, 8, 8]
+    assert [len(mb) for mb in micro_batches(list(range(21)), 10)] == [7, 7, 7]
+    assert [len(mb) for mb in micro_batches(list(range(10)), 3)] == [3, 3, 2, 2]
+
+
+def test_micro_batch_sizes_are_balanced_for_every_share_and_limit():
+    for share in range(0, 70):
+        items = [(37 * i) % 71 for i in range(share)]  # not sorted: the order must be kept, not restored
+        for limit in range(0, 30):
+            chunks = micro_batches(items, limit)
+            sizes = [len(chunk) for chunk in chunks]
+            assert sum(chunks, []) == items, (share, limit)
+            if share == 0:
+                assert chunks == []
+                continue
+            assert len(chunks) == (-(-share // limit) if limit else 1), (share, limit)
+            assert limit == 0 or max(sizes) <= limit, (share, limit, sizes)
+            assert max(sizes) - min(sizes) <= 1, (share, limit, sizes)
+            assert sizes == sorted(sizes, reverse=True), (share, limit, sizes)  # larger ones first
 
 
 SEGMENTS = {
@@ -407,6 +435,38 @@ def test_weighted_micro_batch_means_average_over_ranks_to_the_global_mean(batch_
         per_rank.append(sum(mb.weight * mean for mb, mean in zip(batch.micro_batches, means)))
     global_batch, _ = sampler.batch_at(cursor)
     assert sum(per_rank) / world_size == pytest.approx(sum(losses[i] for i in global_batch) / batch_size, rel=1e-12)
+
+
+# B = 32, limit 10, W = 1..8: shares 32, 16, 11/10, 8, 7/6, 6/5, 5/4, 4 (docs/data.md gives this table).
+SMALLEST_MICRO_BATCH_32_BY_10 = {1: 8, 2: 8, 3: 5, 4: 8, 5: 6, 6: 5, 7: 4, 8: 4}
+
+
+@pytest.mark.parametrize("world_size", [*SMALLEST_MICRO_BATCH_32_BY_10, 11, 40])
+def test_micro_batch_weights_of_all_ranks_sum_to_the_world_size(world_size):
+    # sum over ranks and micro-batches of weight == W is what makes DDP's average over ranks of the
+    # weighted micro-batch means the global-batch mean, however the shares are cut.
+    points = Points(45)
+    sampler = ElasticSampler(len(points), global_batch_size=32, seed=3)
+    cursor = DataCursor(0, 30)
+    batches = [make_step_batch(points, sampler, cursor, 1, rank, world_size, 10) for rank in range(world_size)]
+    micros = [mb for batch in batches for mb in batch.micro_batches]
+    assert sum(mb.weight for mb in micros) == pytest.approx(world_size, rel=1e-12)
+    assert [i for mb in micros if not mb.dummy for i in mb.indices] == sampler.batch_at(cursor)[0]
+    real = [mb.samples for mb in micros if not mb.dummy]
+    assert max(real) <= 10
+    if world_size in SMALLEST_MICRO_BATCH_32_BY_10:
+        assert min(real) == SMALLEST_MICRO_BATCH_32_BY_10[world_size]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 16])
+def test_batchnorm_trains_on_every_micro_batch_after_a_resize(world_size):
+    # 32 over 2 ranks is 16 = 10 + 6 either way; over 3 ranks the greedy split gave 11 = 10 + 1.
+    points = Points(40)
+    sampler = ElasticSampler(len(points), global_batch_size=32, seed=0)
+    norm = nn.BatchNorm1d(4, dtype=torch.float64).train()
+    for rank in range(world_size):
+        for mb in make_step_batch(points, sampler, DataCursor(), 1, rank, world_size, 10).micro_batches:
+            norm(mb.data[0])  # raises "Expected more than 1 value per channel" on a 1-sample batch
 
 
 class TinyNet(nn.Module):
