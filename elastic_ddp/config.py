@@ -21,7 +21,9 @@ Values come from, in increasing priority:
    ``--checkpoint.async_save=false`` and ``--checkpoint.keep_every=null`` work).
 
 Every problem is reported before any process group is created, as a :class:`ConfigError` whose
-message names the field, the value and what is allowed.
+message names the field, the value and what is allowed; an unknown setting is named with the
+nearest valid one ("did you mean train.max_steps?"), never with its value. :func:`describe` is the
+``--help`` text: every section and field with its type, default and description.
 
 **Identity.** Some settings must not change while a run resumes from its checkpoints: the seed
 (data order, initialisation), the global batch size, the model's shape, anything the user says
@@ -33,18 +35,25 @@ the fields (``checkpoint.allow_identity_change=true`` allows it).
 
 from __future__ import annotations
 
+import difflib
+import enum
+import hashlib
+import json
 import os
 import sys
+import textwrap
+import types
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
-    "IDENTITY", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "LoggingConfig",
-    "RunConfig", "Section", "TrainConfig", "identity_differences", "load_config",
+    "IDENTITY", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "DistConfig", "LoggingConfig", "RunConfig", "Section", "TrainConfig", "describe", "identity_differences",
+    "load_config",
 ]  # fmt: skip
 
 # torchrun sets this for every worker of a job; it names the run when the user did not.
@@ -97,6 +106,15 @@ def _is_uuid(text: str) -> bool:
         return False
 
 
+def default_memory_dir() -> str:
+    """The memory tier's directory when ``checkpoint.memory_dir`` is empty: one per working directory
+    under ``/dev/shm/elastic_ddp``. Agents on different machines each have their own ``/dev/shm``;
+    agents started from different directories of one host (a test, a dev box) then keep separate
+    memories too instead of finding each other's and turning the tier off."""
+    where = hashlib.sha256(os.path.realpath(os.getcwd()).encode()).hexdigest()[:12]
+    return f"/dev/shm/elastic_ddp/{where}"
+
+
 class RunConfig(Section):
     name: str = Field(
         default="",
@@ -128,7 +146,10 @@ class TrainConfig(Section):
         ge=0,
         description=(
             "Most samples a rank puts through the model at once; a larger per-rank batch is split "
-            "into micro-batches with gradient accumulation. 0: no limit."
+            "into the fewest micro-batches within this limit m, as equal as possible (11 -> 6 + 5 "
+            "with m=10), with gradient accumulation. 0: no limit. The smallest micro-batch is "
+            "min(f(floor(B/W)), f(ceil(B/W))), f(s) = floor(s / ceil(s/m)), for global batch B on W "
+            "ranks; BatchNorm needs >= 2 at every W the job may run at (docs/data.md)."
         ),
     )
     seed: Annotated[int, IDENTITY] = Field(
@@ -236,29 +257,58 @@ class CheckpointConfig(Section):
         ),
     )
     memory_dir: str = Field(
-        default="/dev/shm/elastic_ddp",
+        default="",
         description=(
             "Node-local directory (a tmpfs: it outlives the worker processes, not the machine) where each node "
-            "keeps the state after recent steps, so a hard node loss costs at most one step. Each node needs "
-            "room for two states (2 x model + optimizer state); every agent on one host needs its own directory."
+            "keeps the state after recent steps, so a hard node loss costs at most the steps since the last "
+            "memory save. Each node needs room for two states (2 x model + optimizer state). Empty: a directory "
+            "under /dev/shm/elastic_ddp named after the working directory, so agents started from different "
+            "directories of one host keep separate memories. Set explicitly, a directory that cannot hold two "
+            "states is an error; by default the tier is then off, said in one line."
         ),
     )
     memory_overhead: float = Field(
-        default=0.0,
+        default=0.02,
         ge=0,
         le=1,
         description=(
-            "Budget of the memory tier as a fraction of step time (0.02 is a good start): saves to node memory "
-            "happen every step when their measured cost fits (the stall, and on CPU jobs the background write), "
-            "else as often as it allows. 0 (the default) turns the memory tier off; the deploy manifests turn it "
-            "on with 0.02 and size /dev/shm for it."
+            "Budget of the memory tier as a fraction of step time: saves to node memory happen every step when "
+            "their measured cost fits (the stall, and on CPU jobs the background write), else as often as it "
+            "allows. 0 turns the memory tier off (durable checkpoints only)."
         ),
     )
     memory_every_steps: int = Field(
         default=0,
         ge=0,
-        description="Save to node memory every N steps whatever the stall. 0: chosen from checkpoint.memory_overhead.",
+        description=(
+            "Save to node memory every N steps whatever the cost. 0: as often as checkpoint.memory_overhead allows. "
+            "Needs the tier on (checkpoint.memory_overhead > 0)."
+        ),
     )
+
+    @property
+    def memory_path(self) -> str:
+        """``memory_dir``, or where it defaults to (see its description)."""
+        return self.memory_dir or default_memory_dir()
+
+    @property
+    def memory_asked(self) -> bool:
+        """Whether a memory-tier setting was given explicitly: the tier is then required (a directory that
+        cannot hold it is an error), not just on by default (off, said in one line)."""
+        return bool({"memory_dir", "memory_overhead", "memory_every_steps"} & self.model_fields_set)
+
+    @model_validator(mode="after")
+    def _check_memory(self) -> CheckpointConfig:
+        if self.memory_overhead > 0:
+            return self
+        # A setting that cannot take effect is an error, never a silent no-op.
+        for name in ("memory_every_steps", "memory_dir"):
+            if name in self.model_fields_set and getattr(self, name):
+                raise ValueError(
+                    f"checkpoint.{name} ({getattr(self, name)!r}) has no effect: checkpoint.memory_overhead=0 turns "
+                    "the memory tier off. Drop one of the two settings."
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_resume(self) -> CheckpointConfig:
@@ -383,14 +433,138 @@ def identity_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str
     return lines
 
 
-def _format_validation_error(exc: ValidationError, source: str) -> str:
+def describe(config: type[Config] | Config = Config, prog: str | None = None, width: int = 100) -> str:
+    """The ``--help`` text of a script whose settings are ``config``: every section, and for each
+    field its flag, type, default and description; identity fields marked.
+
+    ``config`` is the :class:`Config` subclass (its own sections beside the library's, extended
+    library sections with their added fields) or an instance whose values are the defaults, as
+    :func:`load_config` takes it. Derived defaults show what they derive from
+    (``<run.root>/<run.name>/checkpoints``), not a path resolved now; storage options show their
+    keys only. ``prog``: the script's name in the usage line (default: ``sys.argv[0]``'s).
+    """
+    if isinstance(config, Config):
+        cls, given = type(config), _values_of(config)
+    elif isinstance(config, type) and issubclass(config, Config):
+        cls, given = config, {}
+    else:
+        raise TypeError(f"config must be a Config subclass or instance, not {config!r}.")
+    if prog is None:
+        prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "script.py"
+    out = [
+        f"usage: {prog} [--config FILE] [--section.field=VALUE ...]",
+        "",
+        *textwrap.wrap(
+            "Each setting is its default, else its value in the YAML file given with --config FILE "
+            "(section: {field: value}), else --section.field=VALUE; values are YAML (--train.seed=7, "
+            "--checkpoint.async_save=false, --checkpoint.keep_every=null). [identity]: must not change "
+            "while a run resumes from its checkpoints (--checkpoint.allow_identity_change=true allows it).",
+            width,
+            break_on_hyphens=False,
+        ),
+    ]
+    for section_name, info in cls.model_fields.items():
+        section_cls = info.annotation
+        defaults = _section_defaults(info, given.get(section_name))
+        out += ["", f"{section_name}:" + (f" {info.description}" if info.description else "")]
+        for field_name, field in section_cls.model_fields.items():
+            kind = _type_text(field.annotation)
+            bounds = [f"{op} {getattr(meta, attr)}" for meta in field.metadata
+                      for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+                      if getattr(meta, attr, None) is not None]  # fmt: skip
+            if bounds:
+                kind += " " + ", ".join(bounds)
+            identity = section_cls.identity or any(meta is IDENTITY for meta in field.metadata)
+            default = _default_text(section_name, field_name, field, defaults)
+            mark = "  [identity]" if identity else ""
+            out.append(f"  --{section_name}.{field_name}  {kind}  (default: {default}){mark}")
+            if field.description:
+                out += textwrap.wrap(field.description, width, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                     break_on_hyphens=False)  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+_MISSING = object()
+
+
+def _settings(cls: type[Config]) -> list[tuple[str, type[Section], str]]:
+    """``(section.field, section class, field)`` of every setting of ``cls``, in declaration order."""
+    return [
+        (f"{section}.{field}", info.annotation, field)
+        for section, info in cls.model_fields.items()
+        for field in info.annotation.model_fields
+    ]
+
+
+def _section_defaults(info: Any, given: dict[str, Any] | None) -> dict[str, Any]:
+    """A section's default values: those of the instance given as defaults, else of the section
+    the Config's field makes (its default factory may set values of its own)."""
+    if given is not None:
+        return given
+    try:
+        section = info.get_default(call_default_factory=True)
+    except ValidationError:  # a section with required fields: each field says so
+        return {}
+    return section.model_dump() if isinstance(section, BaseModel) else {}
+
+
+def _default_text(section: str, name: str, field: Any, defaults: dict[str, Any]) -> str:
+    value = defaults.get(name, _MISSING)
+    if (section, name) in _DERIVED_HELP and (value is _MISSING or not value):
+        return _DERIVED_HELP[section, name]
+    if value is _MISSING:
+        if field.is_required():
+            return "none, required"
+        value = field.get_default(call_default_factory=True)
+    if name == "storage_options" and isinstance(value, dict):
+        value = {key: "<redacted>" for key in value}  # as in to_yaml: they may hold keys
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, (str, dict, list, tuple)):
+        try:
+            return json.dumps(value)
+        except TypeError:
+            return repr(value)
+    return str(value)
+
+
+def _type_text(annotation: Any) -> str:
+    """A field's type as a user writes its value: ``int``, ``'auto'|'gloo'|'nccl'``, ``int|null``, ``dict``."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _type_text(args[0])
+    if origin is Literal:
+        return "|".join(repr(arg) for arg in args)
+    if origin in (Union, types.UnionType):
+        text = "|".join(_type_text(arg) for arg in args if arg is not type(None))
+        return f"{text}|null" if type(None) in args else text
+    if annotation is Any:
+        return "any"
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return "|".join(repr(member.value) for member in annotation)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        if name in ("dict", "Mapping", "MutableMapping"):
+            return "dict" if len(args) < 2 or args[1] is Any else f"dict[{_type_text(args[0])}, {_type_text(args[1])}]"
+        items = [arg for arg in args if arg is not Ellipsis]
+        return name if not items or items[0] is Any else f"{name}[{', '.join(_type_text(arg) for arg in items)}]"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _format_validation_error(exc: ValidationError, source: str, cls: type[Config]) -> str:
     lines = [f"Invalid configuration ({source}):"]
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"])
         # Values are echoed only where they cannot be credentials: not for storage options, and
-        # not for unknown settings (a mistyped "storage_options" holds the same keys).
+        # not for unknown settings (a mistyped "storage_options" holds the same keys). Names are.
         if error["type"] == "extra_forbidden":
-            lines.append(f"  {field}: unknown setting.")
+            lines.extend(f"  {line}" for line in _unknown(error["loc"], error["input"], cls))
             continue
         message = error["msg"].removeprefix("Value error, ")
         if isinstance(error["input"], dict):
@@ -401,6 +575,42 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
         else:
             lines.append(f"  {field}: {message} (got {error['input']!r}).")
     return "\n".join(lines)
+
+
+# How alike (difflib's ratio) an unknown setting's dotted name must be to a valid one to be suggested:
+# typos and shortened names score 0.81-0.97 (train.max_step, logging.every); an unrelated field of
+# the same section scores up to ~0.8 on the shared "section." alone (checkpoint.path ~ keep_last).
+_SUGGEST_CUTOFF = 0.81
+
+
+def _unknown(loc: tuple, value: Any, cls: type[Config]) -> list[str]:
+    """What to say about an unknown key at ``loc``: the nearest valid setting (difflib on the full
+    dotted names), else what there is. ``value`` is looked at only for the keys under an unknown
+    section (``--trian.max_steps=5`` arrives as section ``trian`` holding ``{"max_steps": 5}``)."""
+    sections = list(cls.model_fields)
+    names = [name for name, _, _ in _settings(cls)]
+    if len(loc) == 1:  # a section that does not exist
+        section = str(loc[0])
+        keys = [f"{section}.{key}" for key in value] if isinstance(value, dict) and value else []
+        close = difflib.get_close_matches(section, sections, n=1)
+        there = f"no section {section!r}" + (f" (did you mean {close[0]}?)" if close else "")
+        listing = f"; the sections are {', '.join(sections)}."
+        if not keys:
+            return [f"{section}: unknown section: {there}{listing}"]
+        lines = []
+        for key in keys:
+            match = difflib.get_close_matches(key, names, n=1, cutoff=_SUGGEST_CUTOFF)
+            lines.append(f"{key}: unknown setting; did you mean {match[0]}?" if match
+                         else f"{key}: unknown setting: {there}{listing}")  # fmt: skip
+        return lines
+    name = ".".join(str(part) for part in loc)
+    match = difflib.get_close_matches(name, names, n=1, cutoff=_SUGGEST_CUTOFF)
+    if match:
+        return [f"{name}: unknown setting; did you mean {match[0]}?"]
+    if len(loc) == 2:
+        fields = [field.split(".", 1)[1] for field in names if field.startswith(f"{loc[0]}.")]
+        return [f"{name}: unknown setting; the settings of {loc[0]} are {', '.join(fields)}."]
+    return [f"{name}: unknown setting."]
 
 
 def _parse_flag(flag: str) -> tuple[list[str], Any]:
@@ -463,11 +673,18 @@ def load_config(argv: list[str] | None = None, config: type[Config] | Config = C
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, source)) from None
+        raise ConfigError(_format_validation_error(exc, source, cls)) from None
 
 
 # Filled in by Config from the run name and root unless set: not part of an instance's own values.
 _DERIVED = (("run", "name"), ("checkpoint", "url"), ("logging", "tensorboard_dir"))
+# What --help shows as their defaults: where they come from (see Config._fill_run_paths).
+_DERIVED_HELP = {
+    ("run", "name"): "torchrun's --rdzv-id, else the script's name",
+    ("checkpoint", "url"): "<run.root>/<run.name>/checkpoints",
+    ("logging", "tensorboard_dir"): "<run.root>/<run.name>/tensorboard",
+    ("checkpoint", "memory_dir"): "/dev/shm/elastic_ddp/<a hash of the working directory>",
+}
 
 
 def _values_of(config: Config) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import sys
 import time
 import traceback
@@ -77,8 +78,10 @@ from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier, MemoryTierError
 from elastic_ddp.metrics import (
     ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_MEMBERSHIP, ENDED_STOPPED, Metrics, create_metrics,
 )  # fmt: skip
-from elastic_ddp.state import ModelState, OptimizerState, Stateful, check_stateful
-from elastic_ddp.stop import EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, wait_for_restart
+from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful
+from elastic_ddp.stop import (
+    EXIT_CONFIG, EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, report_settings_error, wait_for_restart,
+)  # fmt: skip
 
 __all__ = ["Run", "RunError", "Step", "launch"]
 
@@ -97,6 +100,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
+
+
+def _registered(name: str, obj: object) -> Stateful:
+    """``obj`` as checkpointable state (see :func:`elastic_ddp.state.as_stateful`), or a RunError naming it."""
+    try:
+        return as_stateful(name, obj)
+    except (TypeError, ValueError) as exc:
+        raise RunError(f"run.setup(): {exc}") from None
 
 
 class DataState:
@@ -308,10 +319,12 @@ class Run:
     ) -> DistributedDataParallel:
         """Wrap ``model`` in DDP, register what a checkpoint must hold, and resume; returns the DDP model.
 
-        ``model`` must already be on :attr:`device`. ``scheduler`` and every keyword object (a
-        ``torch.amp.GradScaler``, the script's own counters: anything with ``state_dict()`` and
-        ``load_state_dict()``) are saved in every checkpoint and restored on resume, as are the model,
-        the optimizer and the data position. ``ddp_kwargs`` go to
+        ``model`` must already be on :attr:`device`. ``scheduler`` and every keyword object -- anything
+        with ``state_dict()`` and ``load_state_dict()``, as is: an EMA ``AveragedModel`` or a teacher
+        (any ``nn.Module``), another optimizer, a ``torch.amp.GradScaler``, the script's own counters --
+        are saved in every checkpoint and restored on resume, as are the model, the optimizer and the
+        data position. What differs across ranks (BatchNorm statistics, an EMA of them, a per-rank
+        counter) is found at each save and kept per rank (see docs/your-model.md). ``ddp_kwargs`` go to
         ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``). Collective; call once.
         """
         if self._state is not None:
@@ -322,14 +335,17 @@ class Run:
                 f"The model's parameters are on {sorted(str(d) for d in where)}, but this rank trains on "
                 f"{self.device}: call model.to(run.device) before run.setup()."
             )
-        objects: dict[str, Stateful] = {MODEL: ModelState(model), OPTIMIZER: OptimizerState(model, optimizer)}
+        # DDP keeps the model's trainable parameters and the optimizer's state the same on every rank:
+        # a save need not compare those across ranks (everything else it does).
+        objects: dict[str, Stateful] = {
+            MODEL: ModelState(model, replicated=True), OPTIMIZER: OptimizerState(model, optimizer, replicated=True),
+        }  # fmt: skip
         if scheduler is not None:
-            objects[SCHEDULER] = scheduler
+            objects[SCHEDULER] = _registered(SCHEDULER, scheduler)
         for name, obj in state.items():
             if name in (MODEL, OPTIMIZER, SCHEDULER, DATA):
                 raise RunError(f"The state name {name!r} is the run's own; give the object another name.")
-            check_stateful(name, obj)
-            objects[name] = obj
+            objects[name] = _registered(name, obj)
         objects[DATA] = self._data
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self._ddp = DistributedDataParallel(model, device_ids=device_ids, **dict(ddp_kwargs or {}))
@@ -365,12 +381,13 @@ class Run:
         if cfg.memory_overhead <= 0:
             return None
         return MemoryTier(
-            memory_dir=cfg.memory_dir, overhead=cfg.memory_overhead, every_steps=cfg.memory_every_steps,
+            memory_dir=cfg.memory_path, overhead=cfg.memory_overhead, every_steps=cfg.memory_every_steps,
+            required=cfg.memory_asked,
             timeout_s=cfg.timeout_s, run_name=self.cfg.run.name,
             # Named from the identity *and* the durable location: two runs of one name elsewhere never meet.
             identity_digest=identity_digest({**self.cfg.identity(), "checkpoint.url": self._checkpoints.url}),
             rank=self.rank, local_rank=self.local_rank, local_world_size=self._ctx.local_world_size,
-            node=self._ctx.node_rank, device=self.device, control_group=self._control,
+            node=self._ctx.node_rank, device=self.device, control_group=self._control, world_size=self.world_size,
         )  # fmt: skip
 
     def _resume(self) -> None:
@@ -402,7 +419,7 @@ class Run:
             log.info("[%d/-] Resume: %s.", self.rank, choice.why)
             if choice.tier == "memory":
                 try:
-                    restored = self._memory.restore(survey, choice.node, self._state)
+                    restored = self._memory.restore(survey, choice.node, choice.step, self._state)
                 except MemoryTierError as exc:
                     raise RunError(str(exc)) from None
                 if restored:
@@ -694,16 +711,26 @@ def launch(
 
     ``config``: the script's :class:`~elastic_ddp.config.Config` subclass (its own sections beside the
     library's), or an instance whose values are the defaults; ``argv`` (default ``sys.argv[1:]``)
-    holds ``--config FILE`` and ``--section.field=value`` overrides. A bad setting exits 2 before any
-    process group exists. An exception is recorded (``failures.jsonl``, torchrun's error file) and
-    the worker leaves at once with status 1; a known failure prints one clear line, anything else
-    its traceback.
+    holds ``--config FILE`` and ``--section.field=value`` overrides; ``--help`` (``-h``) prints every
+    setting and exits 0. A bad setting exits :data:`~elastic_ddp.stop.EXIT_CONFIG` (2) before any
+    process group exists, and ends the whole job, not just this attempt (see
+    :func:`_exit_on_settings_error`). An exception is recorded (``failures.jsonl``, torchrun's error
+    file) and the worker leaves at once with status 1; a known failure prints one clear line,
+    anything else its traceback.
     """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in args or "-h" in args:
+        # Before anything else -- no process group, no signal handlers, no logging set-up -- so it
+        # is the same under python and torchrun (where one worker per node prints it).
+        from elastic_ddp.config import describe
+
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(describe(config), end="", flush=True)
+        sys.exit(0)
     try:
-        cfg = load_config(sys.argv[1:] if argv is None else list(argv), config)
+        cfg = load_config(args, config)
     except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        sys.exit(2)
+        _exit_on_settings_error(exc)
     # SIGTERM now means "checkpoint at a step boundary, then exit", within grace_s.
     stop_signal = StopSignal(grace_s=cfg.checkpoint.grace_s)
     exit_when_orphaned()  # if our torchrun agent dies, do not train on as a ghost
@@ -718,6 +745,44 @@ def launch(
     except BaseException as exc:  # noqa: BLE001 - every failure ends the same way: reported, then gone
         _report_and_exit(exc)
     sys.exit(code)
+
+
+# How long a worker whose settings are invalid waits for its agent to stop it (_exit_on_settings_error);
+# the agent looks every --monitor-interval (0.1 s by default).
+_SETTINGS_ERROR_WAIT_S = 30.0
+
+
+def _exit_on_settings_error(exc: ConfigError) -> NoReturn:
+    """Print what is wrong and leave with EXIT_CONFIG: no restart can fix a setting.
+
+    A worker of an agent with this package's rendezvous handler also reports the message to its
+    agent (:func:`~elastic_ddp.stop.report_settings_error`) and stays alive until the agent stops
+    it (at most ``_SETTINGS_ERROR_WAIT_S``, or until the agent is gone). Alive, it is no failure:
+    the agent finds the report when it next polls for membership changes, stops the worker, closes
+    the rendezvous with the message for every node and exits with it -- without spending a restart,
+    which torch's agent would count for a worker that failed before it asks the rendezvous again.
+    Anywhere else (torch's c10d rendezvous, plain python) the worker leaves at once; torchrun then
+    restarts it until --max-restarts is spent, and its summary shows this message (the error file).
+    """
+    print(exc, file=sys.stderr, flush=True)
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(exc)  # torchrun's summary shows it (when it has a file)
+    except Exception:  # noqa: BLE001 - the message is already on stderr; the file is a courtesy
+        pass
+    if report_settings_error(str(exc)):
+        agent = os.getppid()
+
+        def stopped(signum: int, frame: object) -> None:
+            os._exit(EXIT_CONFIG)  # nothing to clean up; torch's interpreter teardown costs seconds
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, stopped)
+        deadline = time.monotonic() + _SETTINGS_ERROR_WAIT_S
+        while time.monotonic() < deadline and os.getppid() == agent:
+            time.sleep(0.1)
+    sys.exit(EXIT_CONFIG)
 
 
 _KNOWN = (RunError, CheckpointError, RecurringFailureError)

@@ -2,23 +2,24 @@
 
 A checkpoint is a mapping of names to *stateful* objects (torch's ``Stateful`` protocol): anything
 with ``state_dict() -> dict`` and ``load_state_dict(dict)`` -- an LR scheduler, a
-``torch.amp.GradScaler``, a user's own counters. Their state dicts may hold tensors (any device) and
-plain values (None, bool, int, float, str, lists, tuples and dicts of these).
+``torch.amp.GradScaler``, an ``nn.Module`` (an EMA ``AveragedModel``, a teacher), another optimizer,
+a user's own counters. Their state dicts may hold tensors (any device) and plain values (None, bool,
+int, float, str, lists, tuples and dicts of these). :func:`as_stateful` takes any of them as is.
 
 Models and optimizers get adapters (:class:`ModelState`, :class:`OptimizerState`) that go through
 ``torch.distributed.checkpoint.state_dict``: keys are parameter names (not optimizer-internal
 integer ids), a ``DistributedDataParallel`` wrapper is seen through, and an optimizer that has not
-stepped yet gets its state tensors allocated, so a checkpoint loads *into* them in place.
-
-:class:`RNGState` is this process's random number generators (torch CPU and CUDA, Python's
-``random``, NumPy's legacy global generator when NumPy is installed). It differs per rank, so it is
-saved as per-rank state: restored exactly at the same world size, not at another.
+stepped yet gets its state tensors allocated, so a checkpoint loads *into* them in place. Made with
+``replicated=True`` (the run does so for the model it wraps in DDP and its optimizer), they declare
+the tensors DDP keeps the same on every rank -- trainable parameters and the optimizer's state --
+through ``synced(path)``, so a save does not compare those across ranks
+(:mod:`elastic_ddp.checkpoint.divergence`). Everything else is compared, and stored per rank where
+it differs.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -41,7 +42,7 @@ try:  # the steps of get_model_state_dict / get_optimizer_state_dict, to check t
 except ImportError:  # another torch: the public functions, which check them every call
     _verify_options = None
 
-__all__ = ["ModelState", "OptimizerState", "RNGState", "Stateful", "check_stateful"]
+__all__ = ["ModelState", "OptimizerState", "Stateful", "as_stateful", "check_stateful", "synced_paths"]
 
 # Names a user may not give to state: the checkpoint format keeps per-rank state under this prefix.
 RESERVED_PREFIX = "_rank_"
@@ -63,16 +64,37 @@ def check_stateful(name: str, obj: object) -> None:
             f"State name {name!r} is not allowed: use a non-empty name without '.' or '/' that does not "
             f"start with {RESERVED_PREFIX!r}."
         )
-    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-        raise TypeError(
-            f"State {name!r} is a {type(obj).__name__}; wrap it as ModelState(model) or "
-            "OptimizerState(model, optimizer) so its keys are parameter names and DDP is seen through."
-        )
     if not isinstance(obj, Stateful):
         raise TypeError(
-            f"State {name!r} ({type(obj).__name__}) has no state_dict() and load_state_dict(); only such "
-            "objects can be checkpointed."
+            f"State {name!r} ({type(obj).__module__}.{type(obj).__qualname__}) has no state_dict() and "
+            "load_state_dict(); only such objects can be checkpointed. Give it those two methods (returning and "
+            "taking a dict of tensors and plain values), or wrap it in an object that has them."
         )
+
+
+def as_stateful(name: str, obj: object) -> Stateful:
+    """``obj`` as a checkpointable object under ``name``: an ``nn.Module`` (an EMA ``AveragedModel``, a
+    teacher) as a :class:`ModelState` (keys are its parameter and buffer names, a DDP wrapper seen
+    through), anything else with ``state_dict()``/``load_state_dict()`` as is (an optimizer, a
+    scheduler, a ``GradScaler``, a user's counters). Raises like :func:`check_stateful`."""
+    if isinstance(obj, torch.nn.Module):
+        obj = ModelState(obj)
+    check_stateful(name, obj)
+    return obj
+
+
+def synced_paths(state: Mapping[str, Stateful]) -> Callable[[tuple[Any, ...]], bool]:
+    """For one save: whether the tensor at a path (object name first) is the same on every rank by
+    construction, as its object declares with an optional ``synced()`` method returning a predicate
+    over its own paths (the DDP model's and optimizer's adapters do); such tensors are not compared
+    across ranks."""
+    declared = {name: obj.synced() for name, obj in state.items() if callable(getattr(obj, "synced", None))}
+
+    def synced(path: tuple[Any, ...]) -> bool:
+        check = declared.get(path[0])
+        return bool(check is not None and check(path[1:]))
+
+    return synced
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -105,11 +127,25 @@ class _Options:
 
 
 class ModelState:
-    """A model's parameters and buffers, keyed by their names (a DDP wrapper is seen through)."""
+    """A model's parameters and buffers, keyed by their names (a DDP wrapper is seen through).
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    ``replicated``: DDP keeps this model's trainable parameters the same on every rank (see the
+    module docstring); its buffers are compared at each save whatever this says.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, replicated: bool = False) -> None:
         self.model = _unwrap(model)
         self._options = _Options(self.model, ())
+        self._replicated = replicated
+
+    def synced(self) -> Callable[[tuple[Any, ...]], bool]:
+        """For one save: whether the tensor at a path of :meth:`state_dict` is the same on every rank by
+        construction (a trainable parameter of a replicated model)."""
+        # Taken at each save: a model may gain or freeze parameters between saves.
+        names = frozenset(
+            name for name, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad and self._replicated
+        )
+        return lambda path: len(path) == 1 and path[0] in names
 
     def state_dict(self) -> dict[str, Any]:
         if _verify_options is None:
@@ -131,10 +167,18 @@ class OptimizerState:
     with a step on zero gradients that changes nothing), so a checkpoint can be loaded into it.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replicated: bool = False) -> None:
         self.model = _unwrap(model)
         self.optimizer = optimizer
         self._options = _Options(self.model, (optimizer,))
+        self._replicated = replicated
+
+    def synced(self) -> Callable[[tuple[Any, ...]], bool]:
+        """For one save: whether the tensor at a path is the same on every rank by construction -- every
+        one when the model is DDP's (the same parameters and all-reduced gradients give the same
+        update everywhere)."""
+        replicated = self._replicated
+        return lambda path: replicated
 
     def state_dict(self) -> dict[str, Any]:
         if _verify_options is None:
@@ -147,64 +191,3 @@ class OptimizerState:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, dict(state_dict))
-
-
-def _numpy_random() -> Any:
-    try:
-        import numpy.random
-    except ImportError:  # NumPy is optional; without it there is no NumPy stream to keep
-        return None
-    return numpy.random
-
-
-class RNGState:
-    """The random number generators of this process, as a state dict of tensors and ints.
-
-    ``device`` is this rank's CUDA device (its generator is saved too); None on CPU-only ranks.
-    The saved and the restoring process must agree on which generators exist (CUDA or not, NumPy
-    or not); :meth:`load_state_dict` raises ``ValueError`` naming the difference otherwise.
-    """
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device if device is not None and device.type == "cuda" else None
-
-    def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = random.getstate()
-        state: dict[str, Any] = {
-            "torch": torch.get_rng_state(),
-            "python": {
-                "version": version,
-                "internal": torch.tensor(internal, dtype=torch.int64),
-                "gauss": gauss,
-            },
-        }
-        if self.device is not None:
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        np_random = _numpy_random()
-        if np_random is not None:
-            kind, keys, pos, has_gauss, cached = np_random.get_state(legacy=True)
-            state["numpy"] = {
-                "kind": kind,
-                "keys": torch.from_numpy(keys.astype("int64")),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "gauss": float(cached),
-            }
-        return state
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        expected = set(self.state_dict())
-        if set(state_dict) != expected:
-            raise ValueError(
-                f"The saved random generators {sorted(state_dict)} are not this process's {sorted(expected)} "
-                "(CUDA or NumPy present on one side only)."
-            )
-        torch.set_rng_state(state_dict["torch"].cpu())
-        python = state_dict["python"]
-        random.setstate((int(python["version"]), tuple(int(v) for v in python["internal"].tolist()), python["gauss"]))
-        if self.device is not None:
-            torch.cuda.set_rng_state(state_dict["cuda"].cpu(), self.device)
-        if "numpy" in state_dict:
-            saved = state_dict["numpy"]
-            keys = saved["keys"].cpu().numpy().astype("uint32")
-            _numpy_random().set_state((saved["kind"], keys, saved["pos"], saved["has_gauss"], saved["gauss"]))

@@ -19,14 +19,16 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "EXIT_FAILED", "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
-    "StopAgreement", "StopSignal", "exit_when_orphaned", "wait_for_restart",
+    "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
+    "StopAgreement", "StopSignal", "exit_when_orphaned", "read_settings_error", "report_settings_error",
+    "wait_for_restart",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,11 @@ log = logging.getLogger(__name__)
 # A failure the job cannot recover from by itself (a checkpoint that cannot be written, storage that
 # is not shared, a resume that would mix runs): one clear message, then this status.
 EXIT_FAILED = 1
+# A setting is invalid (an unknown key, a value out of range), found before any process group exists:
+# no restart can fix it. 2, the status of a command-line usage error (argparse's), kept from before
+# this constant: scripts and tests check it. Under this package's rendezvous handler the agent ends
+# the job on every node at once (elastic_ddp.run.launch).
+EXIT_CONFIG = 2
 # Exit status of a worker whose agent vanished (the node was lost): it must not train on as a
 # ghost of the old group, so it leaves on its own.
 EXIT_ORPHANED = 70
@@ -196,3 +203,42 @@ def exit_when_orphaned(poll_s: float = 1.0) -> threading.Thread:
     thread = threading.Thread(target=watch, name="orphan-watch", daemon=True)
     thread.start()
     return thread
+
+
+# Set in the torchrun agent by this package's rendezvous handler, inherited by the workers it starts:
+# a directory of that agent's, where a worker whose settings are invalid reports them (see
+# report_settings_error), and the agent's pid (only its own workers report there).
+ENV_SETTINGS_ERROR_DIR = "ELASTIC_DDP_SETTINGS_ERROR_DIR"
+ENV_AGENT_PID = "ELASTIC_DDP_AGENT_PID"
+SETTINGS_ERROR_FILE = "settings-error.txt"
+
+
+def report_settings_error(message: str) -> bool:
+    """Tell this worker's torchrun agent that its settings are invalid; True if there is one to tell.
+
+    Only a worker started by an agent with this package's rendezvous handler has one (the
+    handler exports :data:`ENV_SETTINGS_ERROR_DIR` and :data:`ENV_AGENT_PID`); a process that merely
+    inherited them (a subprocess of a worker) has another parent and reports nothing. The agent
+    then ends the job on every node instead of restarting workers whose settings cannot change.
+    """
+    directory = os.environ.get(ENV_SETTINGS_ERROR_DIR, "")
+    if not directory or os.environ.get(ENV_AGENT_PID, "") != str(os.getppid()):
+        return False
+    path = Path(directory) / SETTINGS_ERROR_FILE
+    partial = path.with_name(f".{SETTINGS_ERROR_FILE}.{os.getpid()}")
+    try:
+        partial.write_text(message, encoding="utf-8")
+        os.replace(partial, path)  # whole or not at all: the agent may read it at any moment
+    except OSError:
+        return False
+    return True
+
+
+def read_settings_error(directory: str) -> str | None:
+    """The message a worker reported into ``directory`` (:func:`report_settings_error`); None: none."""
+    if not directory:
+        return None
+    try:
+        return (Path(directory) / SETTINGS_ERROR_FILE).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None

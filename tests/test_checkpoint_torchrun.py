@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from elastic_ddp.checkpoint import ENV_FAULT_POINT, CheckpointManager
+from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.config import CheckpointConfig
 from elastic_ddp.state import ModelState, OptimizerState
 
@@ -120,6 +121,10 @@ def test_save_at_2_ranks_resumes_at_3_and_at_2_with_each_ranks_own_state(tmp_pat
     url, dump = str(tmp_path / "ck"), str(tmp_path / "expected.pt")
     check(torchrun(2, "save", "--url", url, "--steps", "2", "--save-at", "2", "--dump", dump))
     assert writers_of_data(tmp_path / "ck" / "step-000000002") == {0, 1}
+    mine = tmp_path / "mine-1.pt"  # `ckpt export --rank 1`: rank 1's per-rank object (values 10 * rank + step)
+    assert ckpt_cli.main(["ckpt", "export", f"{url}/step-000000002", str(mine), "--object", "mine", "--rank", "1"]) == 0
+    exported = torch.load(mine, weights_only=True)
+    assert exported["rank"] == 1 and torch.equal(exported["values"], torch.full((5,), 12.0))
     out = check(torchrun(3, "load", "--url", url, "--dump", dump))
     assert out.count("resumed step 2 saved at world size 2: OK (own state restored: False") == 3, out[-3000:]
     out = check(torchrun(2, "load", "--url", url, "--dump", dump))

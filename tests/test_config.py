@@ -1,13 +1,17 @@
 """Configuration: the library's and a script's own sections load from YAML and flags alike, errors name
-the field and what was expected and never echo a credential, the run's identity is collected from
-sections and fields, the run's name survives torchrun --standalone, and every shipped YAML file loads
-with its recipe's settings."""
+the field and what was expected and never echo a credential, an unknown setting is named with the
+nearest valid one, --help lists every setting with its type, default and description, the run's
+identity is collected from sections and fields, the run's name survives torchrun --standalone, and
+every shipped YAML file loads with its recipe's settings."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Annotated, ClassVar
@@ -25,6 +29,7 @@ from elastic_ddp.config import (
     Section,
     TrainConfig,
     default_run_name,
+    describe,
     identity_differences,
     load_config,
 )
@@ -104,7 +109,7 @@ def test_an_unknown_setting_is_named_without_its_value(tmp_path):
     config = write_yaml(tmp_path, {"checkpoint": {"storage_option": {"secret": SECRET}}})
     with pytest.raises(ConfigError) as raised:
         load_config([f"--config={config}"])
-    assert "checkpoint.storage_option: unknown setting." in str(raised.value)
+    assert "checkpoint.storage_option: unknown setting; did you mean checkpoint.storage_options?" in str(raised.value)
     assert SECRET not in str(raised.value)
 
 
@@ -121,7 +126,7 @@ def test_malformed_storage_options_are_named_without_their_value(config, section
 def test_storage_options_of_a_section_without_them_are_an_unknown_setting_not_echoed():
     with pytest.raises(ConfigError) as raised:
         load_config([f"--data.storage_options={SECRET}"])  # the library's data section has none
-    assert "data.storage_options: unknown setting." in str(raised.value)
+    assert "data.storage_options: unknown setting; the settings of data are num_workers," in str(raised.value)
     assert SECRET not in str(raised.value)
 
 
@@ -129,7 +134,9 @@ def test_storage_options_of_a_section_without_them_are_an_unknown_setting_not_ec
     "values,expected",
     [
         ({"optim": {"lr": -1}}, ["  optim.lr: Input should be greater than 0 (got -1)."]),
-        ({"optim": {"nesterov": True}}, ["  optim.nesterov: unknown setting."]),
+        ({"optim": {"nesterov": True}}, ["  optim.nesterov: unknown setting; the settings of optim are lr, momentum."]),
+        ({"optim": {"moment": 0.5}}, ["  optim.moment: unknown setting; did you mean optim.momentum?"]),
+        ({"trian": {"warmup_steps": 5}}, ["  trian.warmup_steps: unknown setting; did you mean train.warmup_steps?"]),
         ({"model": {"hidden": "wide"}}, ["  model.hidden: Input should be a valid integer, unable to parse string "
                                          "as an integer (got 'wide')."]),
         ({"train": {"label_smoothing": 1.5}}, ["  train.label_smoothing: Input should be less than 1 (got 1.5)."]),
@@ -137,7 +144,8 @@ def test_storage_options_of_a_section_without_them_are_an_unknown_setting_not_ec
         ({"train": {"max_steps": 5, "warmup_steps": 8}},
          ["  train.warmup_steps (8) must not exceed train.max_steps (5)."]),
     ],
-    ids=["user-bound", "user-unknown", "user-type", "extended-identity-field", "library-field", "extended-cross-check"],
+    ids=["user-bound", "user-unknown", "user-typo", "section-typo", "user-type", "extended-identity-field",
+         "library-field", "extended-cross-check"],
 )  # fmt: skip
 def test_user_and_extended_sections_report_the_same_errors_from_yaml_and_flags(tmp_path, values, expected):
     flags = [f"--{section}.{field}={value}" for section, fields in values.items() for field, value in fields.items()]
@@ -148,6 +156,48 @@ def test_user_and_extended_sections_report_the_same_errors_from_yaml_and_flags(t
     with pytest.raises(ConfigError, match=heading) as from_yaml:
         load_config(["--config", str(config)], Settings)
     assert error_lines(from_flags) == error_lines(from_yaml) == expected
+
+
+@pytest.mark.parametrize(
+    "flag,expected",
+    [
+        ("--trian.max_steps=5", "trian.max_steps: unknown setting; did you mean train.max_steps?"),
+        ("--train.max_step=5", "train.max_step: unknown setting; did you mean train.max_steps?"),
+        ("--checkpoint.every=5", "checkpoint.every: unknown setting; did you mean checkpoint.keep_every?"),
+        ("--dist.backnd=gloo", "dist.backnd: unknown setting; did you mean dist.backend?"),
+        ("--foo.bar=1", "foo.bar: unknown setting: no section 'foo'; the sections are run, train, data, checkpoint, "
+                        "logging, dist."),
+        ("--trian.foo=1", "trian.foo: unknown setting: no section 'trian' (did you mean train?); the sections are "
+                          "run, train, data, checkpoint, logging, dist."),
+        ("--train.foo=1", "train.foo: unknown setting; the settings of train are max_steps, global_batch_size, "
+                          "micro_batch_size, seed, exit_at_step."),
+    ],
+)  # fmt: skip
+def test_an_unknown_setting_is_named_with_the_nearest_valid_one_or_what_there_is(flag, expected):
+    with pytest.raises(ConfigError) as raised:
+        load_config([flag])
+    assert error_lines(raised) == [f"  {expected}"]
+
+
+def test_the_nearest_valid_setting_is_found_in_a_scripts_own_sections_and_from_a_yaml_file(tmp_path):
+    config = write_yaml(tmp_path, {"modle": {"hidden": 3}, "train": {"warmup_step": 2}, "optim": {"lr": 0.5}})
+    with pytest.raises(ConfigError) as raised:
+        load_config([f"--config={config}"], Settings)
+    assert sorted(error_lines(raised)) == [
+        "  modle.hidden: unknown setting; did you mean model.hidden?",
+        "  train.warmup_step: unknown setting; did you mean train.warmup_steps?",
+    ]
+
+
+def test_an_unknown_section_or_setting_never_echoes_its_value(tmp_path):
+    config = write_yaml(tmp_path, {"chekpoint": {"storage_options": {"secret": SECRET}}, "vault": SECRET})
+    with pytest.raises(ConfigError) as raised:
+        load_config([f"--config={config}", f"--checkpoint.storage_option={SECRET}"])
+    message = str(raised.value)
+    assert "chekpoint.storage_options: unknown setting; did you mean checkpoint.storage_options?" in message
+    assert "vault: unknown section: no section 'vault'; the sections are run, train" in message
+    assert "checkpoint.storage_option: unknown setting; did you mean checkpoint.storage_options?" in message
+    assert SECRET not in message
 
 
 def test_user_and_extended_sections_load_from_yaml_and_flags_with_flags_last(tmp_path):
@@ -174,6 +224,78 @@ def test_a_config_file_that_is_missing_or_not_a_mapping_is_named(tmp_path):
         load_config(["--max_steps=3"])
     with pytest.raises(ConfigError, match=r"'train.seed=3' is not of the form --section.field=value"):
         load_config(["train.seed=3"])
+
+
+# --- --help --------------------------------------------------------------------------------
+
+
+def setting_lines(text: str) -> dict[str, str]:
+    """``{"--section.field": "its line"}`` of a --help text."""
+    return {line.split()[0]: line for line in text.splitlines() if line.startswith("  --")}
+
+
+def test_help_lists_every_setting_of_every_section_with_type_default_and_identity():
+    text = describe(Settings, prog="my_train.py")
+    assert text.startswith("usage: my_train.py [--config FILE] [--section.field=VALUE ...]\n")
+    lines = setting_lines(text)
+    expected = {f"--{section}.{field}" for section, info in Settings.model_fields.items()
+                for field in info.annotation.model_fields}  # fmt: skip
+    assert set(lines) == expected  # the library's, the script's own, and the extended section's added fields
+    assert re.findall(r"^(\w+):$", text, re.MULTILINE) == ["run", "train", "data", "checkpoint", "logging", "dist",
+                                                          "optim", "model"]  # fmt: skip
+    assert lines["--train.max_steps"] == "  --train.max_steps  int > 0  (default: 300)"
+    assert lines["--train.warmup_steps"] == "  --train.warmup_steps  int >= 0  (default: 10)"
+    assert lines["--train.seed"].endswith("(default: 1337)  [identity]")
+    assert lines["--train.label_smoothing"] == "  --train.label_smoothing  float >= 0, < 1  (default: 0.0)  [identity]"
+    assert lines["--model.hidden"].endswith("[identity]") and not lines["--optim.lr"].endswith("[identity]")
+    assert lines["--optim.momentum"] == "  --optim.momentum  float >= 0, < 1  (default: 0.9)"
+    assert lines["--dist.backend"] == "  --dist.backend  'auto'|'gloo'|'nccl'  (default: \"auto\")"
+    assert lines["--checkpoint.keep_every"] == "  --checkpoint.keep_every  int|null > 0  (default: null)"
+    assert lines["--checkpoint.storage_options"] == "  --checkpoint.storage_options  dict  (default: {})"
+    assert lines["--checkpoint.async_save"] == "  --checkpoint.async_save  bool  (default: true)"
+    assert lines["--run.root"] == "  --run.root  str  (default: \"runs\")"
+    # Derived defaults say where they come from, not a path resolved in this process.
+    assert lines["--checkpoint.url"] == "  --checkpoint.url  str  (default: <run.root>/<run.name>/checkpoints)"
+    assert lines["--logging.tensorboard_dir"].endswith("(default: <run.root>/<run.name>/tensorboard)")
+    assert lines["--run.name"].endswith("(default: torchrun's --rdzv-id, else the script's name)")
+
+
+def test_help_wraps_each_description_under_its_setting():
+    text = describe(Settings, prog="x.py", width=60)
+    after = text.split("  --checkpoint.max_failed_saves ", 1)[1].splitlines()[1:4]
+    assert all(line.startswith("      ") and len(line) <= 60 for line in after)
+    assert " ".join(line.strip() for line in after).startswith("Periodic saves that may fail in a row before the job")
+    assert "      Warm-up steps." in text.splitlines()
+
+
+def test_help_of_an_instance_shows_its_values_as_defaults_and_never_storage_options_values():
+    defaults = Settings(optim={"lr": 0.5}, checkpoint={"url": "s3://b/run", "storage_options": {"key": SECRET}})
+    lines = setting_lines(describe(defaults))
+    assert lines["--optim.lr"].endswith("(default: 0.5)")
+    assert lines["--checkpoint.url"].endswith('(default: "s3://b/run")')
+    assert lines["--logging.tensorboard_dir"].endswith("(default: <run.root>/<run.name>/tensorboard)")  # still derived
+    assert lines["--checkpoint.storage_options"].endswith('(default: {"key": "<redacted>"})')
+    assert SECRET not in describe(defaults)
+
+
+def test_help_of_the_classifier_recipe_runs_without_torchrun_and_exits_0_quickly(tmp_path):
+    # No torchrun, no process group: a plain python run from an empty directory writes nothing.
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "train_classifier.py"), "--help"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    print(f"recipes/train_classifier.py --help took {took:.1f} s")
+    assert result.returncode == 0, result.stderr
+    lines = setting_lines(result.stdout)
+    assert lines["--model.dropout"] == "  --model.dropout  float >= 0, < 1  (default: 0.1)  [identity]"
+    assert lines["--checkpoint.url"] == "  --checkpoint.url  str  (default: <run.root>/<run.name>/checkpoints)"
+    assert "usage: train_classifier.py [--config FILE]" in result.stdout
+    assert result.stderr == ""  # no logging set up, nothing started
+    assert list(tmp_path.iterdir()) == []
+    assert took < 60  # the imports of the recipe itself (torch, scikit-learn); nothing else starts
 
 
 def test_a_config_field_that_is_not_a_section_is_a_type_error_at_class_definition_naming_it():

@@ -54,8 +54,14 @@ def tier(memory_dir, *, local_rank=0, local_world_size=1, overhead=0.02, every=1
     return MemoryTier(
         memory_dir=str(memory_dir), overhead=overhead, every_steps=every, timeout_s=5.0, run_name="job",
         identity_digest="0123456789abcdef", rank=local_rank, local_rank=local_rank, local_world_size=local_world_size,
-        node=0, device=torch.device(device), control_group=None,
+        node=0, device=torch.device(device), control_group=None, world_size=local_world_size,
     )  # fmt: skip
+
+
+def restore_newest(reader: MemoryTier, target: dict) -> bool:
+    """Survey node 0 and restore its newest state into ``target``."""
+    survey = reader.survey(target, fresh=False)
+    return reader.restore(survey, 0, survey.candidates()[0].step, target)
 
 
 def flat(state: dict) -> dict:
@@ -170,10 +176,14 @@ def test_polling_a_slot_parses_each_commit_record_once_until_it_changes(tmp_path
 
 
 def test_a_record_of_another_format_is_refused():
-    with pytest.raises(MemoryFormatError, match="format 2"):
-        PartRecord.from_json({"format": 1, "step": 1, "part": 0, "parts": 1, "size": 0, "sha256": "", "digest": ""}, "x.json")
+    with pytest.raises(MemoryFormatError, match="format 3"):
+        PartRecord.from_json({"format": 2, "step": 1, "part": 0, "parts": 1, "size": 0, "blake3": "", "digest": ""}, "x.json")
+    good = {"format": 3, "step": 1, "part": 0, "parts": 1, "size": 0, "blake3": "", "digest": "", "rank": 0, "world_size": 1}
+    assert PartRecord.from_json(good, "x").world_size == 1
     with pytest.raises(MemoryFormatError, match="non-negative integers"):
-        PartRecord.from_json({"format": 2, "step": -1, "part": 0, "parts": 1, "size": 0, "blake3": "", "digest": ""}, "x")
+        PartRecord.from_json({**good, "step": -1}, "x")
+    with pytest.raises(MemoryFormatError, match="non-negative integers"):
+        PartRecord.from_json({k: v for k, v in good.items() if k != "rank"}, "x")
 
 
 # --- commit rule and slots ---------------------------------------------------------------------
@@ -238,6 +248,9 @@ def test_a_save_waits_for_the_nodes_other_ranks_before_overwriting_their_last_co
     # Rank 1 never saved step 2, so rank 0 must not overwrite the slot of step 1 with step 3.
     t[0].save(3, state)
     assert not t[0]._wait_writer()
+    assert "did not finish the memory-tier save of step 2" in t[0]._local_failure
+    assert t[0].report()[4] == 1.0  # said on the agreement; the tier stops where every rank reads it
+    t[0].after_step(4, state, t[0].report())
     assert "did not finish the memory-tier save of step 2" in t[0].failed
     node = NodeMemory(tmp_path, "job", "0123456789abcdef")
     assert node.newest().step == 1
@@ -301,7 +314,7 @@ def test_on_a_gpu_the_saved_state_is_the_one_after_its_step_although_the_next_st
     assert not all(torch.equal(expected[k], v.cpu()) for k, v in flat(state).items())
     target, _, _ = cuda_state(1)
     reader = tier(tmp_path, device="cuda")
-    assert reader.restore(reader.survey(target, fresh=False), 0, target)
+    assert restore_newest(reader, target)
     got = flat(target)
     assert all(torch.equal(got[k].cpu(), expected[k]) for k in expected)
     reader.close()
@@ -332,7 +345,7 @@ def test_a_node_state_restores_bitwise_into_fresh_objects(tmp_path):
     reader = tier(tmp_path)
     survey = reader.survey(target, fresh=False)
     assert [(c.node, c.step) for c in survey.candidates()] == [(0, 7)]
-    assert reader.restore(survey, 0, target)
+    assert reader.restore(survey, 0, survey.candidates()[0].step, target)
     got = flat(target)
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
@@ -349,7 +362,7 @@ def test_a_restore_in_slices_smaller_than_its_parts_and_tensors_is_still_bitwise
     target, _ = make_state(2)
     reader = tier(tmp_path)
     assert reader._slice_bytes() == 64
-    assert reader.restore(reader.survey(target, fresh=False), 0, target)
+    assert restore_newest(reader, target)
     got = flat(target)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     reader.close()
@@ -390,8 +403,8 @@ def test_each_save_takes_the_states_bytes_as_they_are_in_place_changed_replaced_
         target["table"] = Table()
         reader = tier(tmp_path)
         survey = reader.survey(target, fresh=False)
-        assert [(c.node, c.step) for c in survey.candidates()] == [(0, step)]
-        assert reader.restore(survey, 0, target)
+        assert (survey.candidates()[0].node, survey.candidates()[0].step) == (0, step)
+        assert reader.restore(survey, 0, survey.candidates()[0].step, target)
         got = flat(target) | {"table": target["table"].table}
         assert all(torch.equal(got[k], expected[k]) for k in expected), step
         reader.close()
@@ -410,7 +423,7 @@ def test_a_damaged_part_is_refused_before_anything_is_loaded(tmp_path):
     before = flat(target)
     reader = tier(tmp_path)
     survey = reader.survey(target, fresh=False)
-    assert reader.restore(survey, 0, target) is False
+    assert reader.restore(survey, 0, survey.candidates()[0].step, target) is False
     assert all(torch.equal(v, before[k]) for k, v in flat(target).items())
     reader.close()
 
@@ -433,7 +446,7 @@ def test_a_state_that_does_not_fit_the_registered_objects_is_a_clear_error(tmp_p
     reader = tier(tmp_path)
     survey = reader.survey(target, fresh=False)
     with pytest.raises(MemoryTierError, match="does not fit this run's registered objects") as info:
-        reader.restore(survey, 0, target)
+        reader.restore(survey, 0, survey.candidates()[0].step, target)
     assert "'model'" in str(info.value) and "memory_overhead=0" in str(info.value)
     reader.close()
 
@@ -454,7 +467,8 @@ def test_too_little_room_is_one_clear_error_naming_the_setting_and_the_ways_out(
 def test_two_nodes_sharing_one_directory_turn_the_tier_off_instead_of_mixing_their_parts(tmp_path):
     t = tier(tmp_path)
     t.store.open()
-    offers = (NodeOffer(0, 0, 0, 42, 9, 1, 9, 10, 10**9), NodeOffer(1, 1, 0, 42, 9, 1, 9, 10, 10**9))
+    offers = (NodeOffer(0, 0, 0, 42, (-1, 9), (0, 0), (-1, -1), 9, 10, 10**9),
+              NodeOffer(1, 1, 0, 42, (-1, 9), (0, 0), (-1, -1), 9, 10, 10**9))
     survey = t._check(Survey(offers), "")
     assert not t.enabled and "give each agent its own --checkpoint.memory_dir" in t.disabled
     assert survey.candidates() == []
@@ -491,12 +505,12 @@ def test_the_interval_follows_the_agreed_cost_and_step_time(tmp_path):
     assert t.saves == 1 and t.interval == 1
     # Agreed: a save costs 8 ms, a step takes 100 ms: aiming at 80 % of 2 % of 100 ms, 1.6 ms a
     # step -> every 5 steps.
-    t.after_step(2, state, (0.008, 0.100, 0.0, 0.0))
+    t.after_step(2, state, (0.008, 0.100, 0.0, 0.0, 0.0))
     assert t.interval == 5 and t.saves == 2
     for step in range(3, 7):
-        t.after_step(step, state, (0.008, 0.100, 0.0, 0.0))
+        t.after_step(step, state, (0.008, 0.100, 0.0, 0.0, 0.0))
     assert t.saves == 2
-    t.after_step(7, state, (0.008, 0.100, 0.0, 0.0))
+    t.after_step(7, state, (0.008, 0.100, 0.0, 0.0, 0.0))
     assert t.saves == 3
     assert NodeMemory(tmp_path, "job", "0123456789abcdef").last_step() == 7
     t.close()
@@ -521,7 +535,7 @@ def test_a_save_that_waits_for_a_slow_write_does_not_count_the_wait_and_the_inte
     t.close()
     assert t.write_s > 0.3 and t.report()[2] > 0.3
     # Agreed: a cheap save, 100 ms steps, a 350 ms write -> every 4 steps, so no save waits again.
-    t.after_step(3, state, (0.001, 0.100, 0.350, 0.0))
+    t.after_step(3, state, (0.001, 0.100, 0.350, 0.0, 0.0))
     assert t.interval == 4 and "write takes 350 ms" in t.interval_why
     t.close()
 
@@ -573,7 +587,7 @@ def test_the_interval_follows_recent_medians_not_one_slow_step_or_save(tmp_path,
         t._wait_writer()
         t._pending = t._pool.submit(lambda: None)
     assert t.report()[0] == pytest.approx(0.001)
-    t.after_step(41, state, t.report()[:3] + (0.0,))
+    t.after_step(41, state, t.report()[:3] + (0.0, 0.0))
     assert t.interval == 1, t.interval_why  # 1 ms of 100 ms fits 2 %: the 3 s save did not space saves out
     t.close()
 
@@ -651,13 +665,17 @@ def test_resume_choice_takes_the_newest_state_anywhere():
 def test_the_settings_are_validated_with_the_field_named():
     from elastic_ddp.config import ConfigError, load_config
 
-    cfg = load_config([])
-    assert (cfg.checkpoint.memory_dir, cfg.checkpoint.memory_overhead, cfg.checkpoint.memory_every_steps) == (
-        "/dev/shm/elastic_ddp", 0.0, 0
-    )
+    cfg = load_config([])  # on by default, in a directory of this working directory's own
+    assert (cfg.checkpoint.memory_overhead, cfg.checkpoint.memory_every_steps, cfg.checkpoint.memory_asked) == (0.02, 0, False)
+    assert cfg.checkpoint.memory_path.startswith("/dev/shm/elastic_ddp/")
     for flag in ("--checkpoint.memory_overhead=1.5", "--checkpoint.memory_overhead=-0.1", "--checkpoint.memory_every_steps=-1"):
         with pytest.raises(ConfigError, match=flag.split("=")[0].removeprefix("--")):
             load_config([flag])
+    assert load_config(["--checkpoint.memory_every_steps=1"]).checkpoint.memory_asked
+    # No setting is silently a no-op: what the tier's switch turns off is named.
+    for flag in ("--checkpoint.memory_every_steps=1", "--checkpoint.memory_dir=/dev/shm/x"):
+        with pytest.raises(ConfigError, match=f"{flag.split('=')[0].removeprefix('--')}.*has no effect: checkpoint.memory_overhead=0"):
+            load_config([flag, "--checkpoint.memory_overhead=0"])
 
 
 def test_an_overhead_of_zero_turns_the_tier_off(tmp_path):
@@ -666,3 +684,15 @@ def test_an_overhead_of_zero_turns_the_tier_off(tmp_path):
     assert t.survey(state, fresh=False) is None
     t.after_step(1, state, None)
     assert t.saves == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_on_by_default_a_node_without_room_turns_the_tier_off_in_one_line_instead_of_failing(tmp_path, monkeypatch, caplog):
+    state, _ = make_state(1)
+    monkeypatch.setattr(NodeMemory, "free_bytes", lambda self: 1000)
+    t = tier(tmp_path)
+    t.required = False  # no memory-tier setting was given: the tier is merely on by default
+    survey = t.survey(state, fresh=False)
+    assert not t.enabled and survey.candidates() == []
+    assert "only 0.00 MiB (1,000 bytes) is free" in t.disabled and "memory tier is off" in t.disabled
+    assert "--shm-size" in t.disabled and "memory_overhead=0" in t.disabled
+    assert [r.message for r in caplog.records if "memory tier is off" in r.message] == [f"[0/-] {t.disabled}"]

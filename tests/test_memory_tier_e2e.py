@@ -186,3 +186,74 @@ def test_losing_every_node_resumes_from_the_durable_tier(etcd_endpoint, tmp_path
     [record] = resume_records(again)
     assert (record["tier"], record["step"]) == ("durable", durable), record
     assert record["steps_redone"] is not None and record["steps_redone"] >= 0
+
+
+# --- on by default -------------------------------------------------------------------------------
+
+
+def interval_steps(run_dir: Path) -> list[float]:
+    """The memory tier's save interval as TensorBoard shows it (memory/interval_steps)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return [e.value for e in events.Scalars("memory/interval_steps")]
+
+
+def ledger_last_step(run_dir: Path) -> int:
+    """The last step any rank recorded (the ledger is flushed line by line: a SIGKILL loses none)."""
+    last = 0
+    for path in (run_dir / "ledger").glob("rank-*.jsonl"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            last = max(last, json.loads(line).get("step", 0))
+    return last
+
+
+def test_with_no_memory_flags_the_survivor_of_rank0s_node_resumes_from_its_own_memory(etcd_endpoint, tmp_path):
+    # Two machines: two agents in directories of their own (the default memory dir is one per working
+    # directory), the language-model recipe with no memory-tier flag at all.
+    job = Job(etcd_endpoint, tmp_path, nnodes="1:2",
+              flags=["--train.max_steps=100000", "--checkpoint.every_steps=50", "--data.ledger=true"])  # fmt: skip
+    try:
+        for machine in ("a", "b"):
+            (tmp_path / machine).mkdir()
+            job.add_node(cwd=tmp_path / machine)
+        job.wait_for_step(30, world_size=2)
+        victim = rank0_node(job)
+        survivor = next(n for n in job.nodes if n is not victim)
+        mark, t0 = job.mark(), time.monotonic()
+        victim.kill()
+        before = ledger_last_step(job.run_dir)
+        recovery_s = job.wait_for_training_since(mark, t0, world_size=1)
+        survivor.terminate()
+        survivor.wait(timeout=120)
+    finally:
+        job.cleanup()
+    [record] = resume_records(job)
+    assert record["tier"] == "memory", record
+    redone = before - record["step"]
+    interval = max(interval_steps(job.run_dir))
+    print(f"killed after step {before}, resumed from node memory at step {record['step']}: {redone} step(s) redone, "
+          f"save interval {interval:.0f}, recovery {recovery_s:.1f} s")  # fmt: skip
+    # The newest state is at most one interval old, or two when the kill caught its write in flight.
+    assert 0 <= redone <= 2 * interval, (before, record, interval)
+    assert record["step"] > 0 and record["step"] % 50, "resumed from a durable checkpoint's step, not from memory"
+
+
+def test_a_tmpfs_too_small_for_the_tier_turns_it_off_in_one_line_and_training_goes_on(tmp_path):
+    # /dev/shm of 1 MiB, as a container without --shm-size has 64 MiB: a mount namespace of this job only.
+    import subprocess
+    import sys
+
+    from tests.helpers.job import RECIPE, TINY, env
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(RECIPE),
+                f"--run.root={tmp_path}", "--run.name=small-shm", "--train.max_steps=6", *TINY]  # fmt: skip
+    command = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"', "sh", *torchrun]
+    done = subprocess.run(command, env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    lines = [line for line in output.splitlines() if "memory tier is off" in line and "WARNING" in line]
+    assert len(lines) == 1, output[-6000:]
+    assert "only 1.00 MiB" in lines[0] or "is free there" in lines[0], lines[0]
+    assert "--shm-size" in lines[0] and "step=6/6" in output

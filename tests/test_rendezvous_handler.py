@@ -8,6 +8,7 @@ quick; no test asserts a duration.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -22,10 +23,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, report_settings_error
 from elastic_ddp.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
 from elastic_ddp.rendezvous.client import EtcdClient, EtcdConnectionError, Range
-from elastic_ddp.rendezvous.handler import ENV_RDZV_ROUND, EtcdRendezvousHandler
+from elastic_ddp.rendezvous.handler import ENV_RDZV_ROUND, EtcdRendezvousHandler, InvalidSettingsError
 from elastic_ddp.rendezvous.rounds import LAST_CALL, RoundRecord, node_key
 from elastic_ddp.rendezvous.view import RunKeys
 from tests.helpers.nodes import record_raises, wait_for
@@ -212,6 +214,78 @@ def test_shutdown_closes_the_rendezvous_and_takes_the_nodes_registration_with_it
     assert not any(b"10.0.0.1" in key for key in keys)  # a's registration went with its lease
     round_kv = etcd_client.get(run.keys.round)
     assert 0 < etcd_client.lease_ttl(round_kv.lease) <= plugin.DEFAULT_RUN_TTL  # the record expires too
+
+
+SETTINGS_ERROR = "Invalid configuration (flags):\n  trian.max_steps: unknown setting; did you mean train.max_steps?"
+
+
+def report_as_worker_of(handler: EtcdRendezvousHandler, monkeypatch) -> None:
+    """What launch() does in a worker whose settings are invalid, as a child of ``handler``'s agent."""
+    monkeypatch.setenv(ENV_SETTINGS_ERROR_DIR, handler.settings_error_dir)
+    monkeypatch.setenv(ENV_AGENT_PID, str(os.getppid()))  # this process stands in for the worker
+    assert report_settings_error(SETTINGS_ERROR)
+
+
+def test_a_workers_settings_error_ends_the_job_on_every_node_with_its_message(run, etcd_client, monkeypatch):
+    a, b = run(1, 2, "10.0.0.1"), run(1, 2, "10.0.0.2")
+    join_all(a, b)
+    spare = Joining(run(1, 2, "10.0.0.3", join_timeout="120"))
+    spare.thread.join(2.5)
+    assert spare.thread.is_alive() and spare.error is None
+    report_as_worker_of(a, monkeypatch)
+
+    def no_requests(*args, **kwargs):
+        raise AssertionError("num_nodes_waiting() made an etcd request")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(a._client, "_call", no_requests)
+        assert a.num_nodes_waiting() == 1  # the agent restarts its healthy group: no restart is counted
+    assert b.num_nodes_waiting() == 0
+    with pytest.raises(InvalidSettingsError) as raised:
+        a.next_rendezvous()
+    message = str(raised.value)
+    assert message.endswith(SETTINGS_ERROR) and f"node '{a.node}'" in message
+    closed = record(etcd_client, run.keys)
+    assert closed.closed and closed.reason.endswith(SETTINGS_ERROR)
+    # The other member learns it from its watch, and so does the spare (not a graceful exit: the job failed).
+    wait_for(lambda: b.num_nodes_waiting() == 1, 30, what="the closed rendezvous to reach the other node")
+    with pytest.raises(InvalidSettingsError) as other:
+        b.next_rendezvous()
+    assert str(other.value) == message
+    with pytest.raises(InvalidSettingsError) as from_spare:
+        spare.result()
+    assert str(from_spare.value) == message
+    assert a.shutdown() is True and record(etcd_client, run.keys).reason == closed.reason  # the first reason stays
+
+
+def test_a_settings_error_found_only_at_shutdown_still_closes_with_its_message(run, etcd_client, monkeypatch):
+    # --max-restarts=0 and a worker that exited before its agent looked: torchrun only shuts down.
+    a, b = run(1, 2, "10.0.0.1"), run(1, 2, "10.0.0.2")
+    join_all(a, b)
+    report_as_worker_of(a, monkeypatch)
+    assert a.shutdown() is True
+    assert record(etcd_client, run.keys).reason.endswith(SETTINGS_ERROR)
+    wait_for(lambda: b.num_nodes_waiting() == 1, 30, what="the closed rendezvous to reach the other node")
+    with pytest.raises(InvalidSettingsError, match="did you mean train.max_steps"):
+        b.next_rendezvous()
+
+
+def test_an_ordinary_close_does_not_end_the_other_nodes_groups(run):
+    a, b = run(1, 2, "10.0.0.1"), run(1, 2, "10.0.0.2")
+    join_all(a, b)
+    assert a.shutdown() is True  # a's job finished: b's workers finish on their own
+    b._view.refresh()
+    assert b.num_nodes_waiting() == 0
+
+
+def test_the_settings_error_directory_is_exported_to_the_workers_and_removed_when_the_node_leaves(run):
+    handler = run(1, 1, "10.0.0.1")
+    directory = handler.settings_error_dir
+    assert os.path.isdir(directory)
+    assert (os.environ[ENV_SETTINGS_ERROR_DIR], os.environ[ENV_AGENT_PID]) == (directory, str(os.getpid()))
+    handler.leave()
+    assert not os.path.exists(directory)
+    assert ENV_SETTINGS_ERROR_DIR not in os.environ and ENV_AGENT_PID not in os.environ
 
 
 def test_the_join_timeout_fails_the_join_and_withdraws_the_registration(run, etcd_client):

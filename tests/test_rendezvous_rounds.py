@@ -29,6 +29,13 @@ def test_round_record_round_trips_and_fills_completed_at_from_the_revision():
     assert RoundRecord.decode(decoded.encode(), KEY, mod_revision=50).completed_at == 42
 
 
+def test_a_closing_reason_round_trips_and_an_ordinary_record_is_encoded_as_before():
+    closed = RoundRecord(7, COMPLETE, closed=True, completed_at=42, reason="a worker's settings are invalid:\n  x.y")
+    assert RoundRecord.decode(closed.encode(), KEY, mod_revision=50) == closed
+    assert b"reason" not in RoundRecord(7, COMPLETE, closed=True).encode()  # nodes of older versions read it alike
+    assert RoundRecord.decode(b'{"round":7,"state":"open","closed":true}', KEY, 1).reason == ""
+
+
 def test_an_open_record_has_no_completion_revision():
     assert RoundRecord.decode(RoundRecord(3).encode(), KEY, mod_revision=9).completed_at == 0
 
@@ -128,6 +135,12 @@ def test_closed_rendezvous_fails_joining_and_lets_a_spare_exit_gracefully():
     closed = RoundRecord(5, COMPLETE, closed=True, completed_at=9)
     assert step(Seen(closed)) is Step.CLOSED
     assert step(Seen(closed, spare=True)) is Step.GRACEFUL_EXIT
+
+
+def test_a_rendezvous_closed_with_a_reason_fails_every_node_spares_included_naming_it():
+    closed = RoundRecord(5, COMPLETE, closed=True, completed_at=9, reason="bad settings")
+    for seen in (Seen(closed), Seen(closed, spare=True), Seen(closed, registered=5, joined=5)):
+        assert decide(seen, 1, 3, NOW, LATER) == (Step.CLOSED, "the rendezvous is closed: bad settings")
 
 
 def test_the_join_timeout_applies_to_joining_but_not_to_a_spare():

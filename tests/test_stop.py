@@ -17,12 +17,16 @@ import types
 import pytest
 
 from elastic_ddp.stop import (
+    ENV_AGENT_PID,
+    ENV_SETTINGS_ERROR_DIR,
     EXIT_NOT_RESTARTED,
     EXIT_ORPHANED,
-    EXIT_STOP_TIMEOUT,
     EXIT_STOPPED,
+    EXIT_STOP_TIMEOUT,
     StopAgreement,
     StopSignal,
+    read_settings_error,
+    report_settings_error,
     wait_for_restart,
 )
 
@@ -269,3 +273,15 @@ def test_a_worker_whose_agent_dies_exits_by_itself_with_the_orphan_status():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(EXIT_ORPHANED), result.stderr
     assert "is gone; exiting this orphaned worker" in result.stderr
+
+
+def test_a_settings_error_is_reported_only_to_the_agent_that_started_this_process(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_SETTINGS_ERROR_DIR, raising=False)
+    assert not report_settings_error("bad")  # no agent with this package's handler: nothing to tell
+    monkeypatch.setenv(ENV_SETTINGS_ERROR_DIR, str(tmp_path))
+    monkeypatch.setenv(ENV_AGENT_PID, str(os.getppid() + 1))  # the variables were inherited from elsewhere
+    assert not report_settings_error("bad") and read_settings_error(str(tmp_path)) is None
+    monkeypatch.setenv(ENV_AGENT_PID, str(os.getppid()))
+    assert report_settings_error("train.x: unknown setting")
+    assert read_settings_error(str(tmp_path)) == "train.x: unknown setting"
+    assert [p.name for p in tmp_path.iterdir()] == ["settings-error.txt"]  # written whole, then renamed

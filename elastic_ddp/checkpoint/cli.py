@@ -4,7 +4,8 @@
 ``args.func(args)``, which returns the process exit status. ``python -m elastic_ddp.checkpoint.cli``
 runs the same commands stand-alone.
 
-Exit status: 0 success, 1 a checkpoint failed verification or is not a checkpoint, 2 usage.
+Exit status: 0 success, 1 a checkpoint failed verification, is not a checkpoint or does not hold
+what ``export`` was asked for (an object name, a rank), 2 usage.
 Remote URLs use the standard AWS configuration (environment, profile, ``AWS_ENDPOINT_URL``).
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import difflib
 import json
+import os
 import sys
 from typing import Any
 
@@ -21,12 +24,20 @@ import torch
 
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.errors import CheckpointError
-from elastic_ddp.checkpoint.catalog import list_checkpoints, read_checkpoint, read_index, verify_checkpoint
-from elastic_ddp.checkpoint.sharded import read_state
+from elastic_ddp.checkpoint.catalog import (
+    CheckpointInfo,
+    list_checkpoints,
+    read_checkpoint,
+    read_index,
+    verify_checkpoint,
+)
+from elastic_ddp.checkpoint.divergence import describe
+from elastic_ddp.checkpoint.index import Index, IndexFormatError
+from elastic_ddp.checkpoint.sharded import read_state, tensor_paths
 from elastic_ddp.checkpoint.storage import Storage, StorageError, normalize_url
-from elastic_ddp.checkpoint.tree import TreeError
+from elastic_ddp.checkpoint.tree import TreeError, path_text
 
-# The state a training run registers its model under; export writes it as plain weights.
+# The state a training run registers its model under; export writes it unless told otherwise.
 MODEL_STATE = "model"
 
 
@@ -45,10 +56,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p_verify.set_defaults(func=cmd_verify)
 
     p_export = sub.add_parser(
-        "export", help="Write a verified checkpoint's model weights (the state named 'model') as one plain torch.save file."
+        "export",
+        help="Write objects of a verified checkpoint (default: the model's weights) as plain torch.save files.",
+        description=(
+            "Verify a checkpoint, then write the state dicts of the objects it holds -- by default the one named "
+            "'model' -- as plain torch.save files of tensors and plain values that torch.load(OUT, "
+            "weights_only=True) reads. One object: OUT is the file. Several --object, or --all: OUT is a "
+            "directory that gets one NAME.pt per object."
+        ),
     )
-    p_export.add_argument("checkpoint_url", help="A checkpoint directory.")
-    p_export.add_argument("out", help="Output file (local path); torch.load(OUT, weights_only=True) reads it.")
+    p_export.add_argument("checkpoint_url", metavar="CHECKPOINT", help="A checkpoint directory.")
+    p_export.add_argument(
+        "out", metavar="OUT", help="Output (local path): the file for one object, a directory of NAME.pt files for several."
+    )
+    which = p_export.add_mutually_exclusive_group()
+    which.add_argument(
+        "--object", dest="objects", action="append", metavar="NAME",
+        help=f"Export the object registered under NAME (repeatable; default {MODEL_STATE!r}): e.g. model, optimizer, "
+        "scheduler, data, or a name given to run.setup() such as ema.",
+    )  # fmt: skip
+    which.add_argument("--all", action="store_true", help="Export every object the checkpoint holds.")
+    p_export.add_argument(
+        "--rank", type=int, default=0, metavar="R",
+        help="For what differs across ranks (BatchNorm statistics, per-rank objects): rank R's values (default 0).",
+    )  # fmt: skip
     p_export.set_defaults(func=cmd_export)
     return parser
 
@@ -72,22 +103,39 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_verified(checkpoint_url: str) -> tuple[Storage, Any] | int:
+def _open(checkpoint_url: str) -> tuple[Storage, CheckpointInfo] | int:
+    """The checkpoint's storage and manifest, or (after printing why) exit status 1."""
     url = normalize_url(checkpoint_url)
     try:
         storage = Storage(url)
-        info = read_checkpoint(storage, url)
+        return storage, read_checkpoint(storage, url)
+    except (CheckpointError, StorageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _check_intact(storage: Storage, info: CheckpointInfo) -> int:
+    """0 if every file of the checkpoint matches its manifest, else (after printing which) 1."""
+    try:
         result = verify_checkpoint(storage, info)
     except (CheckpointError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if not result.ok:
         print(
-            f"FAILED: checkpoint {url} is not intact: file {result.bad_file!r}: {result.reason}.",
+            f"FAILED: checkpoint {info.url} is not intact: file {result.bad_file!r}: {result.reason}.",
             file=sys.stderr,
         )
         return 1
-    return storage, info
+    return 0
+
+
+def _open_verified(checkpoint_url: str) -> tuple[Storage, CheckpointInfo] | int:
+    opened = _open(checkpoint_url)
+    if isinstance(opened, int):
+        return opened
+    failed = _check_intact(*opened)
+    return failed if failed else opened
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -100,24 +148,144 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    opened = _open_verified(args.checkpoint_url)
+    opened = _open(args.checkpoint_url)
     if isinstance(opened, int):
         return opened
     storage, info = opened
     try:
         index = read_index(storage, info)
-        if MODEL_STATE not in index.state:
-            print(f"error: {info.url} holds no state named {MODEL_STATE!r} (it holds {sorted(index.state)}).", file=sys.stderr)
-            return 1
-        # Only the files holding the model's pieces are read (each checked as it streams in).
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            weights = read_state(storage, info.url, index, mf.file_records(info.manifest), [MODEL_STATE], pool)[MODEL_STATE]
-    except (CheckpointError, StorageError, TreeError) as exc:
-        print(f"error: reading the model from {info.url} failed: {exc}", file=sys.stderr)
+    except (CheckpointError, StorageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
-    torch.save(weights, args.out)
-    print(f"Wrote {len(weights)} tensors of step {info.step} to {args.out}.")
+    # What was asked for is checked before the checkpoint is read in full.
+    problem, names = _chosen_objects(args, index, info)
+    to_dir = args.all or len(names) > 1
+    if problem is None:
+        problem = _check_rank(args.rank, index, info) or _check_out(args.out, to_dir=to_dir)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    failed = _check_intact(storage, info)
+    if failed:
+        return failed
+    try:
+        per_rank = _per_rank_parts(index, names)
+        # Only the files holding the objects' pieces are read (each checked as it streams in).
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            states = read_state(storage, info.url, index, mf.file_records(info.manifest), names, pool, rank=args.rank)
+    except (CheckpointError, StorageError, TreeError, IndexFormatError) as exc:
+        print(f"error: reading {', '.join(map(repr, names))} from {info.url} failed: {exc}", file=sys.stderr)
+        return 1
+    targets = {name: os.path.join(args.out, f"{name}.pt") for name in names} if to_dir else {names[0]: args.out}
+    try:
+        if to_dir:
+            os.makedirs(args.out, exist_ok=True)
+        for name, path in targets.items():
+            _save(states[name], path)
+    except OSError as exc:
+        print(f"error: writing the export to {args.out} failed: {exc}", file=sys.stderr)
+        return 1
+    print(_summary(info, states, targets, out_dir=args.out if to_dir else None, per_rank=per_rank, rank=args.rank))
     return 0
+
+
+def _summary(
+    info: CheckpointInfo, states: dict[str, Any], targets: dict[str, str], *, out_dir: str | None, per_rank: str, rank: int
+) -> str:
+    """What an export wrote, and whose values of what differs across ranks."""
+
+    def what(name: str) -> str:
+        tensors = _tensors(states[name])
+        count = f"{len(tensors)} tensor{'s' if len(tensors) != 1 else ''}"
+        return f"{name!r} ({count}, {sum(t.numel() * t.element_size() for t in tensors)} bytes)"
+
+    if out_dir is not None:
+        lines = [f"Wrote {len(targets)} objects of step {info.step} to {out_dir}:"]
+        lines += [f"  {what(name)} -> {path}" for name, path in targets.items()]
+    else:
+        [(name, path)] = targets.items()
+        lines = [f"Wrote {what(name)} of step {info.step} to {path}."]
+    if per_rank:
+        lines.append(
+            f"Per-rank values (they differed across the {info.world_size} ranks of the save): {per_rank}. "
+            f"Exported: rank {rank}'s" + ("." if rank else " (--rank R for another rank's).")
+        )
+    elif rank:
+        lines.append(f"The exported objects hold no per-rank values: they are the same for every rank, {rank} included.")
+    return "\n".join(lines)
+
+
+def _objects_of(index: Index) -> list[str]:
+    """Every object a checkpoint holds, in the order it was registered (per-rank objects last)."""
+    return list(index.state) + [name for name in index.own_names if name not in index.state]
+
+
+def _chosen_objects(args: argparse.Namespace, index: Index, info: CheckpointInfo) -> tuple[str | None, list[str]]:
+    """``(problem, names)``: the objects to export, or why the request cannot be met."""
+    available = _objects_of(index)
+    names = available if args.all else list(dict.fromkeys(args.objects or [MODEL_STATE]))
+    if not names:
+        return f"{info.url} holds no objects.", []
+    held = ", ".join(map(repr, available)) or "nothing"
+    for name in names:
+        if name not in available:
+            close = difflib.get_close_matches(name, available, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return f"{info.url} holds no object named {name!r}{hint}; it holds {held}.", names
+    if args.all or len(names) > 1:
+        # Names come from the checkpoint: each becomes a file name inside OUT, so none may leave it.
+        for name in names:
+            if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
+                return f"the object name {name!r} in {info.url} cannot be used as a file name.", names
+    return None, names
+
+
+def _check_rank(rank: int, index: Index, info: CheckpointInfo) -> str | None:
+    """Why ``--rank`` names no rank of the save, or None. A checkpoint without per-rank data has no
+    rank entries; it holds the same values for every rank of the save."""
+    ranks = index.ranks() or list(range(info.world_size))
+    if rank in ranks:
+        return None
+    valid = f"the only valid rank is {ranks[0]}" if len(ranks) == 1 else f"the valid ranks are {ranks[0]} to {ranks[-1]}"
+    return f"--rank {rank} has no entry in {info.url} (saved at world size {info.world_size}): {valid}."
+
+
+def _check_out(out: str, *, to_dir: bool) -> str | None:
+    """Why ``out`` cannot take the export (a file for one object, a directory for several), or None."""
+    if to_dir and os.path.exists(out) and not os.path.isdir(out):
+        return f"{out} is a file; exporting several objects (or --all) writes a directory of NAME.pt files."
+    if not to_dir and os.path.isdir(out):
+        return f"{out} is a directory; exporting one object writes a file (--all or several --object write a directory)."
+    return None
+
+
+def _per_rank_parts(index: Index, names: list[str]) -> str:
+    """What of the objects ``names`` the checkpoint holds per rank, in words ("" if nothing)."""
+    paths = tensor_paths(index, [name for name in names if name in index.state])
+    tensors = [path_text(paths[t]) for t in index.per_rank if t in paths]
+    objects = [name for name in names if name in index.own_names]
+    return describe(tensors, objects) if tensors or objects else ""
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in _tensors(value)]
+    if isinstance(tree, (list, tuple)):
+        return [t for value in tree for t in _tensors(value)]
+    return []
+
+
+def _save(obj: Any, path: str) -> None:
+    """``torch.save`` to ``path`` through a temporary name, so an interrupted export leaves no partial file."""
+    partial = f"{path}.partial"
+    try:
+        torch.save(obj, partial)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,8 +63,23 @@ def file_name(writer: int, k: int) -> str:
     return f"shard-{writer:05d}-{k:02d}.bin"
 
 
-def plan(specs: Sequence[TensorSpec], writers: Sequence[int], *, files_per_writer: int, min_file_bytes: int) -> Layout:
-    """Split the replicated tensors ``specs`` over ``writers`` (see the module docstring)."""
+def plan(
+    specs: Sequence[TensorSpec], writers: Sequence[int], *, files_per_writer: int, min_file_bytes: int,
+    skip: Sequence[int] = (),
+) -> Layout:  # fmt: skip
+    """Split the replicated tensors ``specs`` over ``writers`` (see the module docstring).
+
+    ``skip``: indices of tensors left out of the stream (each rank stores those itself); pieces keep
+    the indices of ``specs``.
+    """
+    if skip:
+        skipped = set(skip)
+        kept = [i for i in range(len(specs)) if i not in skipped]
+        sub = plan([specs[i] for i in kept], writers, files_per_writer=files_per_writer, min_file_bytes=min_file_bytes)
+        return Layout(tuple(
+            FilePlan(f.name, f.writer, tuple(Piece(kept[p.tensor], p.start, p.stop) for p in f.pieces), f.nbytes)
+            for f in sub.files
+        ))  # fmt: skip
     if not writers:
         raise ValueError("A checkpoint layout needs at least one writer rank.")
     if files_per_writer < 1:

@@ -11,11 +11,13 @@ Layout under ``cfg.url``::
 Contracts:
 
 * What is saved is a mapping of names to stateful objects (``state_dict()``/``load_state_dict()``,
-  see :mod:`elastic_ddp.state`) that hold the same values on every rank -- DDP's replicated model,
-  optimizer, scheduler, data cursor -- plus, optionally, per-rank objects whose values differ by
-  rank (random generators). Replicated state is staged and written once in total: each rank copies
-  and writes only its share (:mod:`~elastic_ddp.checkpoint.layout`). Per-rank state is written by
-  each rank for itself, and restored only at the same world size.
+  see :mod:`elastic_ddp.state`). At each save the ranks compare what they hold
+  (:mod:`~elastic_ddp.checkpoint.divergence`): what is the same on every rank -- DDP's model
+  parameters, optimizer, scheduler, data cursor -- is staged and written once in total, each rank
+  copying and writing only its share (:mod:`~elastic_ddp.checkpoint.layout`); what differs across
+  ranks (BatchNorm statistics, an EMA of them, a per-rank counter) is written by each rank for
+  itself, never cut into several ranks' bytes. A load at the saving world size gives every rank its
+  own values back; at another world size every rank gets rank 0's, and one line says which.
 * A resume reads every byte of the checkpoint once in total: each rank reads a share of the files,
   checking their checksums as they stream in (:meth:`latest` and :meth:`resolve` do this; the bytes
   are kept for :meth:`load`), and :meth:`load` hands the state to every rank over the process group
@@ -66,14 +68,17 @@ from elastic_ddp.checkpoint.errors import CheckpointError, CheckpointVerificatio
 from elastic_ddp.checkpoint.exchange import Transport, distribute
 from elastic_ddp.checkpoint.faults import fault_point
 from elastic_ddp.checkpoint.layout import assign_holders
+from elastic_ddp.checkpoint.divergence import AllMax
 from elastic_ddp.checkpoint.sharded import (
     ShardWriter,
     Snapshot,
     WriteJob,
+    describe_per_rank,
     destinations,
     files_to_read,
+    fill_per_rank,
     read_files,
-    restore_rank_state,
+    restore_own,
     restore_tree,
     snapshot,
     write_files,
@@ -82,7 +87,7 @@ from elastic_ddp.checkpoint.staging import ShareStager, Staged
 from elastic_ddp.checkpoint.storage import Storage, StorageError, join, normalize_url
 from elastic_ddp.checkpoint.tree import TreeError
 from elastic_ddp.config import CheckpointConfig
-from elastic_ddp.state import Stateful, check_stateful
+from elastic_ddp.state import Stateful, check_stateful, synced_paths
 
 log = logging.getLogger("elastic_ddp.checkpoint")
 
@@ -168,10 +173,17 @@ class _Report:
 
 @dataclass
 class _Held:
-    """A checkpoint read and verified by :meth:`CheckpointManager.latest`/``resolve``, kept for ``load``."""
+    """A checkpoint read and verified by :meth:`CheckpointManager.latest`/``resolve``, kept for ``load``.
+
+    ``view``: the index as this load uses it -- the index itself at the saving world size (every rank
+    restores its own per-rank values), else :meth:`~elastic_ddp.checkpoint.index.Index.as_shared` of
+    rank 0 (rank 0's values for everyone).
+    """
 
     key: tuple[str, str]
     index: ix.Index
+    view: ix.Index
+    same_size: bool
     holders: dict[str, int]
     buffers: dict[str, torch.Tensor]
     bytes_read: int
@@ -252,16 +264,9 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------------- saving
 
-    def save(
-        self,
-        step: int,
-        state: Mapping[str, Stateful],
-        *,
-        rank_state: Mapping[str, Stateful] | None = None,
-        blocking: bool | None = None,
-    ) -> bool:
-        """Checkpoint ``state`` (replicated: the same values on every rank) and ``rank_state``
-        (this rank's own values) as step ``step``.
+    def save(self, step: int, state: Mapping[str, Stateful], *, blocking: bool | None = None) -> bool:
+        """Checkpoint ``state`` as step ``step``: what is the same on every rank once in total, what
+        differs across ranks per rank (see the module docstring). Every rank passes the same names.
 
         ``blocking`` None follows ``cfg.async_save``. An async save returns once this rank's share is
         copied to host memory (on GPUs: once the copies are queued); the write and commit run in the
@@ -281,7 +286,7 @@ class CheckpointManager:
         self._held = None  # training goes on: a checkpoint read for a resume is no longer needed
         start = time.perf_counter()
         try:
-            snap = snapshot(_state_dicts(state), _state_dicts(rank_state) if rank_state else None)
+            snap = snapshot(_state_dicts(state), synced=synced_paths(state), all_max=self._all_max())
         except TreeError as exc:
             raise TypeError(str(exc)) from None
         job = self._writer.prepare(snap, rank=self.rank, writers=range(self.world_size))
@@ -414,11 +419,11 @@ class CheckpointManager:
         differ = [r.rank for r in reports if r.digest != save.snap.digest]
         if differ:
             return (
-                f"ranks {differ} hold replicated state whose names, dtypes or shapes differ from rank 0's; every "
-                "rank must save the same state (per-rank values belong in rank_state)."
+                f"ranks {differ} saved state whose names, dtypes, shapes or per-rank parts differ from rank 0's; "
+                "every rank must save the same objects under the same names."
             )
         rank_states = {r.rank: (r.rank_file, r.rank_entry) for r in reports if r.rank_entry is not None}
-        index = ix.build(save.snap.specs, save.snap.state, save.job.layout.files, rank_states)
+        index = ix.build(save.snap.specs, save.snap.state, save.job.layout.files, rank_states, save.snap.per_rank)
         written = {f.name: f for r in reports for f in r.files}
         expected = {f.name: f.size for f in index.files}
         if {name: f.size for name, f in written.items()} != expected:
@@ -630,10 +635,17 @@ class CheckpointManager:
             if isinstance(index, CheckpointVerificationError):
                 raise index
             raise CheckpointVerificationError(str(index), ix.INDEX_NAME, f"reading failed: {index}")
-        by_writer = info.world_size == self.world_size
-        # At another world size nobody restores per-rank state: files that hold only that are skipped.
-        files = [(f.name, f.writer, f.size) for f in index.files if by_writer or f.pieces]
-        holders = assign_holders(files, range(self.world_size), by_writer=by_writer)
+        same_size = info.world_size == self.world_size
+        try:
+            if same_size and index.has_per_rank and index.ranks() != list(range(self.world_size)):
+                raise ix.IndexFormatError(f"it holds per-rank entries of ranks {index.ranks()}, not of all {self.world_size}")
+            view = index if same_size else index.as_shared(0)
+        except ix.IndexFormatError as exc:
+            raise CheckpointVerificationError(f"{info.url}: {exc}", ix.INDEX_NAME, str(exc)) from None
+        # At the saving world size every file goes back to its writer (each rank finds its own
+        # per-rank values among them); at another, files that hold only other ranks' are skipped.
+        files = [(f.name, f.writer, f.size) for f in view.files if same_size or f.pieces]
+        holders = assign_holders(files, range(self.world_size), by_writer=same_size)
         problem: CheckpointVerificationError | None = None
         buffers: dict[str, torch.Tensor] = {}
         try:
@@ -646,27 +658,22 @@ class CheckpointManager:
         if failed is not None:
             verdict = self._coll.broadcast_from(failed, (problem.bad_file, problem.reason, str(problem)) if problem else None)
             raise CheckpointVerificationError(verdict[2], verdict[0], verdict[1])
-        self._held = _Held(info.key, index, holders, buffers, storage.bytes_read - before, time.perf_counter() - start)
+        self._held = _Held(info.key, index, view, same_size, holders, buffers, storage.bytes_read - before,
+                           time.perf_counter() - start)  # fmt: skip
         return self._held
 
     # ------------------------------------------------------------------------------------ loading
 
-    def load(
-        self,
-        info: CheckpointInfo,
-        state: Mapping[str, Stateful],
-        *,
-        rank_state: Mapping[str, Stateful] | None = None,
-    ) -> bool:
-        """Load ``info`` into ``state`` (and ``rank_state``), at any world size; collective.
+    def load(self, info: CheckpointInfo, state: Mapping[str, Stateful]) -> bool:
+        """Load ``info`` into ``state``, at any world size; collective. Returns whether every rank got its
+        own values back: True at the saving world size (or when nothing differed across ranks), False
+        when the per-rank values came from rank 0 (another world size; logged once).
 
         Every object of ``state`` must be in the checkpoint (a :class:`CheckpointError` names the
         missing ones); objects in the checkpoint but not in ``state`` are left alone and their bytes
         are not sent. Tensors are loaded in place into what the objects' ``state_dict()`` returns,
-        then handed to their ``load_state_dict()``. ``rank_state`` is restored only when the
-        checkpoint was written at this world size and every rank could restore its own; returns
-        whether it was (False also without ``rank_state``). Unless :meth:`latest`/:meth:`resolve`
-        just read ``info``, it is read and verified first (a failure raises CheckpointError).
+        then handed to their ``load_state_dict()``. Unless :meth:`latest`/:meth:`resolve` just read
+        ``info``, it is read and verified first (a failure raises CheckpointError).
         """
         self.wait()
         try:
@@ -676,54 +683,67 @@ class CheckpointManager:
                 f"Checkpoint {info.url!r} cannot be loaded: file {exc.bad_file!r} failed verification ({exc.reason})."
             ) from None
         self._held = None  # the buffers go once this load is done, whatever happens
-        index = held.index
+        index, view = held.index, held.view
         templates = _state_dicts(state)
-        missing = sorted(set(templates) - set(index.state))
+        own_names = set(index.own_names) if held.same_size else set()
+        missing = sorted(set(templates) - set(view.state) - own_names)
         if missing:
             raise CheckpointError(
                 f"Checkpoint {info.url!r} has no state named {', '.join(repr(m) for m in missing)}; it holds "
-                f"{sorted(index.state)}. It was saved by a run that did not register it."
+                f"{sorted(set(view.state) | own_names)}. It was saved by a run that did not register it."
             )
         start = time.perf_counter()
+        shared = [name for name in templates if name in view.state]
         try:
-            dests, finish = destinations(index, list(templates), templates)
+            dests, finish = destinations(view, shared, templates)
             problem = None
         except TreeError as exc:
             dests, finish, problem = {}, None, str(exc)
         self._coll.agree(problem, f"Checkpoint {info.url!r} does not fit this run's state")
-        received = distribute(index, held.holders, held.buffers, dests, self.rank, self._transport())
+        received = distribute(view, held.holders, held.buffers, dests, self.rank, self._transport())
+        own: dict[str, Any] = {}
+        if held.same_size and index.has_per_rank:
+            # This rank's own values: in the file it wrote, which it read itself (no collective).
+            mine = held.buffers[index.rank_file(self.rank).name]
+            try:
+                fill_per_rank(index, self.rank, mine, dests)
+                own = restore_own(index, self.rank, mine, {n: templates[n] for n in templates if n in own_names})
+            except TreeError as exc:
+                raise CheckpointError(f"Checkpoint {info.url!r}: this rank's own state cannot be restored: {exc}") from None
         finish()
         for name, obj in state.items():
             try:
-                obj.load_state_dict(restore_tree(index, name, dests))
+                obj.load_state_dict(restore_tree(view, name, dests) if name in view.state else own[name])
             except Exception as exc:  # the object's own check (shapes, keys) failed: name it
                 raise CheckpointError(
                     f"Loading {name!r} from checkpoint {info.url!r} failed: {type(exc).__name__}: {exc}"
                 ) from exc
-        restored = self._load_rank_state(info, held, rank_state) if rank_state else False
+        exact = held.same_size or not index.has_per_rank
+        if not exact and self.rank == 0:
+            log.warning(
+                "[%d/%d] %s was saved at world size %d and this run has %d: what differed across its ranks (%s) "
+                "is restored from rank 0's values on every rank, so it is not per-rank exact.",
+                self.rank, info.step, info.url, info.world_size, self.world_size, describe_per_rank(index),
+            )  # fmt: skip
         self._resumed_step = info.step
         self.last_load = LoadStats(info.step, held.bytes_read, held.read_s, time.perf_counter() - start, received)
         log.info("[%d/%d] Resumed from %s (saved at world size %d).", self.rank, info.step, info.url, info.world_size)
-        return restored
+        return exact
 
-    def _load_rank_state(self, info: CheckpointInfo, held: _Held, rank_state: Mapping[str, Stateful]) -> bool:
-        """Restore this rank's own state from ``info`` when every rank can; returns whether all did."""
-        trees = None
-        if info.world_size == self.world_size:
-            file = held.index.rank_file(self.rank)
-            try:
-                if file is None or file.name not in held.buffers:
-                    raise TreeError(f"the checkpoint holds no per-rank state of rank {self.rank}")
-                trees = restore_rank_state(held.index, self.rank, held.buffers[file.name], _state_dicts(rank_state))
-            except TreeError as exc:
-                log.warning("[%d/%d] This rank's own state in %s cannot be restored: %s", self.rank, info.step,
-                            info.url, exc)  # fmt: skip
-                trees = None
-        ok = self._coll.first_failure(trees is None) is None
-        if ok:
-            for name, obj in rank_state.items():
-                obj.load_state_dict(trees[name])
-        return ok
+    def _all_max(self) -> AllMax | None:
+        """The element-wise maximum over the ranks, for the save's comparison of what they hold: on the
+        training group's device (NCCL on GPUs: no host round trip before the result), else the
+        manager's gloo group. Called in the foreground, while no background save uses the group."""
+        if not self._distributed or self.world_size == 1:
+            return None
+        transport = self._transport()
+
+        def all_max(values: torch.Tensor) -> torch.Tensor:
+            box = values.to(transport.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=transport.group)
+            return box.cpu()
+
+        return all_max
 
     def _transport(self) -> Transport:
         """NCCL with buffers on this rank's GPU when the group has it, else the manager's gloo group."""

@@ -2,7 +2,7 @@
 
 Writing (each participating rank, no collective inside):
 
-    snap = snapshot(state_dicts, rank_state_dicts)         # trees + tensors, in traversal order
+    snap = snapshot(state_dicts, synced=..., all_max=...)  # trees + tensors; what differs across ranks
     writer = ShardWriter(files_per_writer=2, min_file_bytes=16 << 20)   # keep it: plans are cached
     job = writer.prepare(snap, rank=r, writers=[...])      # this rank's files and their sources
     staged = stager.stage(job.sources, copy=...)           # staging.ShareStager
@@ -14,8 +14,11 @@ Reading (each rank that holds files; then exchange.distribute to the others):
     holders = layout.assign_holders([(f.name, f.writer, f.size) ...], readers, by_writer=...)
     held = read_files(storage, dir_url, files_to_read, file_records(manifest), pool)  # verified as read
     dests, finish = destinations(index, names, templates)  # where each wanted tensor goes
-    exchange.distribute(index, holders, held, dests, rank, transport); finish()
+    exchange.distribute(index, holders, held, dests, rank, transport)  # the tensors stored once
+    fill_per_rank(index, rank, held[own file], dests)      # this rank's own values (same world size)
+    finish()
     trees = {name: restore_tree(index, name, dests)}       # then obj.load_state_dict(trees[name])
+    # At another world size: index.as_shared(0) first -- rank 0's per-rank values, for everyone.
 """
 
 from __future__ import annotations
@@ -30,45 +33,58 @@ from typing import Any
 import torch
 
 from elastic_ddp.checkpoint import manifest as mf
+from elastic_ddp.checkpoint.divergence import AllMax, classify, describe
 from elastic_ddp.checkpoint.errors import CheckpointVerificationError
 from elastic_ddp.checkpoint.index import Index, RankState
 from elastic_ddp.checkpoint.layout import Layout, file_name, plan
 from elastic_ddp.checkpoint.shards import read_file, write_file
 from elastic_ddp.checkpoint.staging import Source, Staged, as_buffer, byte_view
 from elastic_ddp.checkpoint.storage import Storage, StorageError, join
-from elastic_ddp.checkpoint.tree import Path, TensorSpec, TreeError, flatten_named, leaf, path_text, unflatten
+from elastic_ddp.checkpoint.tree import Path, TensorSpec, TreeError, leaf, path_text, unflatten
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """One rank's state at a save: encoded trees (plain values inline) and the tensors they name.
 
-    ``digest`` covers the replicated tensors' paths, dtypes and shapes: equal on every rank when
-    they really hold the same state (the leader refuses to commit otherwise).
+    ``state``/``tensors``: the shared objects (alike in structure on every rank); ``per_rank``: the
+    indices of their tensors whose values differ across ranks (each rank stores its own);
+    ``own_state``/``own_tensors``: this rank's per-rank objects (see
+    :mod:`~elastic_ddp.checkpoint.divergence`). ``digest`` covers the shared tensors' paths, dtypes
+    and shapes and what is per-rank: equal on every rank when they saved alike (the leader refuses
+    to commit otherwise). ``described``: the per-rank parts in words.
     """
 
     state: dict[str, Any]
     tensors: tuple[torch.Tensor, ...]
     specs: tuple[TensorSpec, ...]
-    rank_state: dict[str, Any] | None
-    rank_tensors: tuple[torch.Tensor, ...]
+    per_rank: tuple[int, ...]
+    own_state: dict[str, Any]
+    own_tensors: tuple[torch.Tensor, ...]
     digest: str
+    described: str = ""
+
+    @property
+    def has_per_rank(self) -> bool:
+        return bool(self.per_rank or self.own_state)
 
 
-def snapshot(state: Mapping[str, Any], rank_state: Mapping[str, Any] | None) -> Snapshot:
-    """Encode ``{name: state_dict}`` (replicated) and ``rank_state`` (this rank's own, or None).
+def snapshot(
+    state: Mapping[str, Any], *, synced: Callable[[Path], bool] | None = None, all_max: AllMax | None = None
+) -> Snapshot:
+    """Encode ``{name: state_dict}`` and decide (collectively, through ``all_max``) what of it differs
+    across ranks; see :func:`elastic_ddp.checkpoint.divergence.classify` for the arguments.
 
     Raises :class:`TreeError` naming the path of a value a checkpoint cannot hold.
     """
-    trees, tensors, paths = flatten_named(state)
-    specs = tuple(TensorSpec.of(t) for t in tensors)
+    split = classify(state, synced=synced, all_max=all_max)
+    specs = tuple(TensorSpec.of(t) for t in split.tensors)
+    per_rank = tuple(sorted(split.per_rank))
     digest = hashlib.sha256(
-        json.dumps([[path_text(p), s.to_json()] for p, s in zip(paths, specs)]).encode()
+        json.dumps([[[path_text(p), s.to_json()] for p, s in zip(split.paths, specs)], per_rank, sorted(split.own)]).encode()
     ).hexdigest()
-    rank_trees, rank_tensors = None, []
-    if rank_state:
-        rank_trees, rank_tensors, _ = flatten_named(rank_state)
-    return Snapshot(trees, tuple(tensors), specs, rank_trees, tuple(rank_tensors), digest)
+    described = split.describe() if split.has_per_rank else ""
+    return Snapshot(split.shared, split.tensors, specs, per_rank, split.own, split.own_tensors, digest, described)
 
 
 @dataclass(frozen=True)
@@ -89,25 +105,30 @@ class ShardWriter:
         self.min_file_bytes = min_file_bytes
         self._plans: dict[tuple[Any, ...], Layout] = {}
 
-    def layout(self, specs: Sequence[TensorSpec], writers: Sequence[int]) -> Layout:
-        key = (tuple(specs), tuple(writers))
+    def layout(self, specs: Sequence[TensorSpec], writers: Sequence[int], per_rank: Sequence[int] = ()) -> Layout:
+        """The plan of the tensors stored once: ``specs`` but the ``per_rank`` ones (pieces keep the
+        tensors' indices in ``specs``)."""
+        key = (tuple(specs), tuple(writers), tuple(per_rank))
         found = self._plans.get(key)
         if found is None:
-            found = plan(specs, writers, files_per_writer=self.files_per_writer, min_file_bytes=self.min_file_bytes)
+            found = plan(specs, writers, files_per_writer=self.files_per_writer, min_file_bytes=self.min_file_bytes,
+                         skip=per_rank)  # fmt: skip
             self._plans = {key: found}  # one state shape at a time: the previous plan is dropped
         return found
 
     def prepare(self, snap: Snapshot, *, rank: int, writers: Sequence[int]) -> WriteJob:
-        layout = self.layout(snap.specs, writers)
+        layout = self.layout(snap.specs, writers, snap.per_rank)
         mine = layout.files_of(rank)
         sources: dict[str, list[Source]] = {
             f.name: [(snap.tensors[p.tensor], p.start, p.stop) for p in f.pieces] for f in mine
         }
         rank_file, rank_entry = None, None
-        if snap.rank_state is not None:
+        if snap.has_per_rank:
+            # After this rank's pieces: its values of the per-rank tensors, then its per-rank objects.
             rank_file = mine[0].name if mine else file_name(rank, 0)
-            sources.setdefault(rank_file, []).extend((t, 0, t.numel()) for t in snap.rank_tensors)
-            rank_entry = RankState(rank, snap.rank_state, tuple(TensorSpec.of(t) for t in snap.rank_tensors))
+            extra = [snap.tensors[t] for t in snap.per_rank] + list(snap.own_tensors)
+            sources.setdefault(rank_file, []).extend((t, 0, t.numel()) for t in extra)
+            rank_entry = RankState(rank, snap.own_state, tuple(TensorSpec.of(t) for t in snap.own_tensors))
         return WriteJob(layout, sources, rank_file, rank_entry)
 
 
@@ -222,43 +243,65 @@ def destinations(
     return dests, finish
 
 
+def describe_per_rank(index: Index) -> str:
+    """What an index holds per rank, in words (for messages)."""
+    paths = tensor_paths(index, index.state)
+    return describe([path_text(paths[t]) for t in index.per_rank if t in paths], index.own_names)
+
+
 def restore_tree(index: Index, name: str, dests: Mapping[int, torch.Tensor]) -> Any:
     """The state dict ``name`` as saved, with its tensors taken from ``dests``."""
     return unflatten(index.state[name], lambda i, _: dests[i], (name,), where="index.json")
 
 
-def restore_rank_state(index: Index, rank: int, held: torch.Tensor, templates: Mapping[str, Any]) -> dict[str, Any]:
-    """Rank ``rank``'s own state dicts from its file's bytes ``held`` (into the templates' tensors where they fit)."""
+def fill_per_rank(index: Index, rank: int, held: torch.Tensor, dests: Mapping[int, torch.Tensor]) -> None:
+    """Copy rank ``rank``'s own values of the index's per-rank tensors from its file's bytes ``held``
+    into their destinations (a load at the saving world size: every rank restores its own)."""
+    file = index.rank_file(rank)
+    if file is None:
+        raise TreeError(f"The checkpoint holds no per-rank entry of rank {rank}.")
+    offsets, _ = file.rank_offsets(index.tensors, index.per_rank)
+    for t, off in zip(index.per_rank, offsets):
+        if t in dests:
+            view = byte_view(dests[t], 0, dests[t].numel())
+            view.copy_(held[off : off + view.numel()])
+
+
+def restore_own(index: Index, rank: int, held: torch.Tensor, templates: Mapping[str, Any]) -> dict[str, Any]:
+    """Rank ``rank``'s per-rank objects from its file's bytes ``held`` (into the templates' tensors
+    where they fit), by name."""
     file = index.rank_file(rank)
     if file is None or file.rank_state is None:
-        raise TreeError(f"The checkpoint holds no per-rank state of rank {rank}.")
-    rank_state = file.rank_state
-    offsets = file.rank_offsets(index.tensors)
+        raise TreeError(f"The checkpoint holds no per-rank entry of rank {rank}.")
+    entry = file.rank_state
+    _, offsets = file.rank_offsets(index.tensors, index.per_rank)
 
     def tensor(i: int, path: Path) -> torch.Tensor:
-        if not 0 <= i < len(rank_state.tensors):
+        if not 0 <= i < len(entry.tensors):
             raise TreeError(f"Per-rank tensor {i} at {path_text(path)!r} is not in the index.")
-        spec = rank_state.tensors[i]
+        spec = entry.tensors[i]
         target = leaf(templates.get(path[0]), path[1:])
         fits = isinstance(target, torch.Tensor) and target.dtype == spec.dtype and tuple(target.shape) == spec.shape
         out = target.detach() if fits and target.is_contiguous() else torch.empty(spec.shape, dtype=spec.dtype)
-        byte_view(out, 0, out.numel()).copy_(held[offsets[i] : offsets[i] + spec.nbytes])
+        with torch.no_grad():
+            byte_view(out, 0, out.numel()).copy_(held[offsets[i] : offsets[i] + spec.nbytes])
         return out
 
-    missing = sorted(set(templates) - set(rank_state.state))
-    if missing:
-        raise TreeError(f"The per-rank state of rank {rank} has no {', '.join(repr(m) for m in missing)}.")
-    return {name: unflatten(rank_state.state[name], tensor, (name,), where="index.json") for name in templates}
+    return {name: unflatten(entry.state[name], tensor, (name,), where="index.json") for name in templates if name in entry.state}
 
 
 def read_state(
     storage: Storage, dir_url: str, index: Index, expected: Mapping[str, mf.FileRecord], names: Iterable[str],
-    pool: concurrent.futures.Executor,
+    pool: concurrent.futures.Executor, *, rank: int = 0,
 ) -> dict[str, Any]:
-    """One process, no process group: the state dicts ``names`` with new CPU tensors.
+    """One process, no process group: the state dicts ``names`` with new CPU tensors (per-rank data:
+    rank ``rank``'s values).
 
-    Reads (and verifies) only the files that hold pieces of those states.
+    Reads (and verifies) only the files that hold pieces of those states. Raises
+    :class:`~elastic_ddp.checkpoint.index.IndexFormatError` if the checkpoint holds per-rank data but
+    no entry of ``rank`` (``index.ranks()`` lists those it holds).
     """
+    index = index.as_shared(rank)
     names = list(names)
     dests, _ = destinations(index, names, {name: None for name in names})
     needed = [f.name for f in index.files if any(p.tensor in dests for p in f.pieces)]

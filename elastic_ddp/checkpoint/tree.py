@@ -210,3 +210,17 @@ def leaf(tree: Any, path: Path) -> Any:
         else:
             return None
     return node
+
+
+def rebase(encoded: Any, offset: int) -> Any:
+    """``encoded`` (from :func:`flatten`) with every tensor reference moved by ``offset``."""
+    if offset == 0 or _scalar(encoded):
+        return encoded
+    if isinstance(encoded, list):
+        return [rebase(v, offset) for v in encoded]
+    [(kind, value)] = encoded.items()
+    if kind == "tensor":
+        return {"tensor": value + offset}
+    if kind == "tuple":
+        return {"tuple": [rebase(v, offset) for v in value]}
+    return {"dict": [[key, rebase(v, offset)] for key, v in value]}

@@ -6,6 +6,27 @@ With ``data.ledger`` on, each rank appends one JSON line per optimizer step to
 the step it resumed from and the world size. Lines are flushed as they are written, so a node
 killed with SIGKILL leaves every step it completed on record.
 
+Records (one JSON object a line; docs/data.md has the details):
+
+==============  =========  =================================================================
+header field    type       meaning
+==============  =========  =================================================================
+``attempt``     str        ``"MASTER_ADDR:MASTER_PORT/TORCHELASTIC_RESTART_COUNT"`` (``local``,
+                           ``0``, ``0`` where unset); equal strings are one attempt
+``resume_step`` int        steps completed by the state the attempt started from (0: fresh)
+``world_size``  int        the attempt's world size
+``rank``        int        this worker's rank in the attempt
+``time``        float      ``time.time()`` when the header was written
+==============  =========  =================================================================
+
+==============  =========  =================================================================
+step field      type       meaning
+==============  =========  =================================================================
+``step``        int        the optimizer step just completed (1-based)
+``indices``     list[int]  this rank's sample indices of the step, in training order
+``loss``        float      the step's global loss (all ranks' samples; float64, as computed)
+==============  =========  =================================================================
+
 :func:`read_ledger` replays the attempts in the order they started. An attempt that resumed from
 step ``s`` supersedes whatever earlier attempts recorded after ``s`` (those steps were redone), so
 the result is the history of the job as its checkpoints tell it: for every step, which samples

@@ -9,7 +9,9 @@
   touches against the steps it does not, interleaved within seconds of each other.
 * :func:`choose_resume` -- where a (re)starting job resumes from: the newest state available
   anywhere (any surviving node's memory, or the durable checkpoint), preferring memory on a tie
-  because reading node memory is far faster than object storage.
+  because reading node memory is far faster than object storage -- and, when some state in node
+  memory lets every rank restore its own per-rank values (BatchNorm statistics and the like, see
+  elastic_ddp/checkpoint/divergence.py), the newest such state over a newer one that does not.
 
 No I/O and no clock here: the callers measure and the tests move the numbers.
 """
@@ -101,10 +103,13 @@ def background_cost(steps: Sequence[tuple[int, float]], touched: int) -> float |
 
 @dataclass(frozen=True)
 class Candidate:
-    """A committed state a rank can offer: its ``step`` in node ``node``'s memory."""
+    """A complete state of ``step`` in node ``node``'s memory. ``exact``: every rank of this start
+    holds its own part of it (same rank, same world size), so each restores its own per-rank values;
+    a state without per-rank values is always exact."""
 
     node: int
     step: int
+    exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -120,16 +125,24 @@ class Choice:
 def choose_resume(memory: Sequence[Candidate], durable_step: int | None) -> Choice:
     """The newest state available anywhere; memory wins a tie (it is read locally, at memory speed).
 
-    Among nodes holding the same newest step, the lowest node id serves it, so every rank that
-    evaluates this with the same inputs picks the same source.
+    When some state in node memory is ``exact``, only exact ones compete with the durable checkpoint:
+    at the world size they were saved at, every rank then gets its own per-rank values back, for at
+    most one memory save more redone (a rank killed while writing the newest one leaves the previous
+    one complete everywhere). Among nodes holding the same step, the lowest node id serves it, so
+    every rank that evaluates this with the same inputs picks the same source.
     """
+    newest = max((c.step for c in memory), default=None)
+    if any(c.exact for c in memory):
+        memory = [c for c in memory if c.exact]
     best = max(memory, key=lambda c: (c.step, -c.node), default=None)
     if best is not None and (durable_step is None or best.step >= durable_step):
         holders = sorted({c.node for c in memory if c.step == best.step})
+        older = (f"; step {newest} is newer, but not every rank holds its own part of it, and step {best.step} "
+                 "gives every rank its own per-rank values back") if newest is not None and newest > best.step else ""  # fmt: skip
         return Choice(
             "memory", best.step, best.node,
             f"node memory holds step {best.step} (nodes {holders}); the newest durable checkpoint is "
-            + ("none" if durable_step is None else f"step {durable_step}"),
+            + ("none" if durable_step is None else f"step {durable_step}") + older,
         )  # fmt: skip
     if durable_step is not None:
         newest_memory = "none" if best is None else f"step {best.step}"

@@ -5,8 +5,11 @@ Layout (``<memory_dir>/<run name>-<identity digest>/``)::
     run.json                 which run this is (name, identity digest, owner uid)
     lock                     every live worker of the run on this node holds a shared flock on it
     last-step                8 bytes: the last step this node's local rank 0 completed
-    slot-0/part-00000.bin    local rank 0's share of a state: raw tensor bytes, back to back
-    slot-0/part-00000.json   its commit record: step, part, parts, size, BLAKE3, state digest
+    slot-0/part-00000.bin    local rank 0's share of a state: raw tensor bytes, back to back, then
+                             that rank's own values of what differs across ranks (per-rank tensors,
+                             per-rank objects; see elastic_ddp/checkpoint/divergence.py)
+    slot-0/part-00000.json   its commit record: step, part, parts, size, BLAKE3, state digest, the
+                             global rank and world size that saved it, its per-rank objects' trees
                              (part 0's record also holds the index: trees, tensor specs, pieces)
     slot-1/...               the other slot: the previous state
 
@@ -53,8 +56,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# 2: BLAKE3 checksums (1: SHA-256; its states are not read, so a restart after an upgrade resumes durable).
-FORMAT = 2
+# 3: per-rank values in each part (2: BLAKE3 checksums; 1: SHA-256). States of another format are not
+# read, so a restart after an upgrade resumes from the durable tier.
+FORMAT = 3
 SLOTS = 2
 RUN_FILE = "run.json"
 LOCK_FILE = "lock"
@@ -84,7 +88,11 @@ def part_name(part: int) -> str:
 
 @dataclass(frozen=True)
 class PartRecord:
-    """A committed part: ``size`` bytes with BLAKE3 ``checksum``, part ``part`` of ``parts`` of step ``step``."""
+    """A committed part: ``size`` bytes with BLAKE3 ``checksum``, part ``part`` of ``parts`` of step ``step``.
+
+    ``rank``/``world_size``: the global rank that saved it and its world size (whose per-rank values it
+    holds); ``own``: the trees and tensor specs of that rank's per-rank objects, or None.
+    """
 
     step: int
     part: int
@@ -93,29 +101,35 @@ class PartRecord:
     checksum: str
     digest: str
     index: dict[str, Any] | None = None
+    rank: int = 0
+    world_size: int = 1
+    own: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {
             "format": FORMAT, "step": self.step, "part": self.part, "parts": self.parts, "size": self.size,
-            "blake3": self.checksum, "digest": self.digest,
+            "blake3": self.checksum, "digest": self.digest, "rank": self.rank, "world_size": self.world_size,
         }  # fmt: skip
         if self.index is not None:
             out["index"] = self.index
+        if self.own is not None:
+            out["own"] = self.own
         return out
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> PartRecord:
-        fields = ("step", "part", "parts", "size")
+        fields = ("step", "part", "parts", "size", "rank", "world_size")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise MemoryFormatError(f"{where} is not a memory-tier commit record of format {FORMAT}.")
         if not all(isinstance(data.get(k), int) and data[k] >= 0 for k in fields) or data["parts"] < 1:
             raise MemoryFormatError(f"{where}: {', '.join(fields)} must be non-negative integers (parts >= 1).")
         if not isinstance(data.get("blake3"), str) or not isinstance(data.get("digest"), str):
             raise MemoryFormatError(f"{where}: blake3 and digest must be strings.")
-        index = data.get("index")
-        if index is not None and not isinstance(index, dict):
-            raise MemoryFormatError(f"{where}: the index must be an object.")
-        return cls(data["step"], data["part"], data["parts"], data["size"], data["blake3"], data["digest"], index)
+        index, own = data.get("index"), data.get("own")
+        if (index is not None and not isinstance(index, dict)) or (own is not None and not isinstance(own, dict)):
+            raise MemoryFormatError(f"{where}: the index and the per-rank objects must be objects.")
+        return cls(data["step"], data["part"], data["parts"], data["size"], data["blake3"], data["digest"], index,
+                   data["rank"], data["world_size"], own)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -392,8 +406,26 @@ class NodeMemory:
 
     def newest(self) -> StateOnNode | None:
         """The newest complete state on this node, or None."""
-        found = [s for s in (self.complete(slot) for slot in range(SLOTS)) if s is not None]
-        return max(found, key=lambda s: s.step, default=None)
+        return max(self.states(), key=lambda s: s.step, default=None)
+
+    def states(self) -> list[StateOnNode]:
+        """The complete states on this node (one per slot at most)."""
+        return [s for s in (self.complete(slot) for slot in range(SLOTS)) if s is not None]
+
+    def own_parts(self, rank: int, world_size: int) -> dict[int, tuple[int, PartRecord]]:
+        """``{step: (slot, record)}`` of the committed parts that global rank ``rank`` saved at world size
+        ``world_size`` (whose per-rank values are that rank's), whole on disk."""
+        out = {}
+        for slot in range(SLOTS):
+            for record in self.records(slot).values():
+                if (record.rank, record.world_size) != (rank, world_size):
+                    continue
+                try:
+                    if os.stat(self.slot_path(slot) / f"{part_name(record.part)}.bin").st_size == record.size:
+                        out[record.step] = (slot, record)
+                except OSError:
+                    continue
+        return out
 
     def wait_complete(self, slot: int, step: int, timeout_s: float) -> bool:
         """Wait until ``slot`` holds a complete state of ``step``; False after ``timeout_s``."""
@@ -420,7 +452,10 @@ class NodeMemory:
         return write_part(self.slot_path(slot) / f"{part_name(part)}.bin", buffers, threads)
 
     def read(self, state: StateOnNode, part: int, threads: int = 1) -> torch.Tensor:
-        return read_part(self.slot_path(state.slot) / f"{part_name(part)}.bin", state.records[part], threads)
+        return self.read_record(state.slot, state.records[part], threads)
+
+    def read_record(self, slot: int, record: PartRecord, threads: int = 1) -> torch.Tensor:
+        return read_part(self.slot_path(slot) / f"{part_name(record.part)}.bin", record, threads)
 
     def clear(self) -> None:
         """Forget every state (a run that starts over must not resume what an earlier start left)."""

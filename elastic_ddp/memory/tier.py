@@ -45,12 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_ddp.checkpoint.divergence import classify
 from elastic_ddp.checkpoint.layout import plan
 from elastic_ddp.checkpoint.tree import TensorSpec, TreeError, flatten_named, leaf, path_text, unflatten
 from elastic_ddp.memory.copies import DeviceCopies
 from elastic_ddp.memory.policy import Candidate, background_cost, interval
 from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord
-from elastic_ddp.state import OptimizerState
+from elastic_ddp.state import OptimizerState, synced_paths
 
 __all__ = ["REPORT_SIZE", "MemoryTier", "MemoryTierError", "NodeOffer", "Survey"]
 
@@ -77,8 +78,8 @@ SAVE_WINDOW = 8
 # takes from the steps it overlaps (elastic_ddp/memory/policy.py: background_cost): ~100 saves at
 # a save every 5 steps, enough for a phase's median to hold still.
 PHASE_HISTORY = 512
-# The numbers each rank's report() puts on the per-step agreement.
-REPORT_SIZE = 4
+# The numbers each rank's report() puts on the per-step agreement (see report()).
+REPORT_SIZE = 5
 
 
 class MemoryTierError(RuntimeError):
@@ -87,21 +88,35 @@ class MemoryTierError(RuntimeError):
 
 @dataclass(frozen=True)
 class NodeOffer:
-    """What one rank reported at the survey (see :meth:`MemoryTier.survey`)."""
+    """What one rank reported at the survey (see :meth:`MemoryTier.survey`).
+
+    ``steps[s]``/``per_rank[s]``: the step of the complete state in its node's slot ``s`` (-1: none)
+    and whether that state holds per-rank values (1) -- reported by the node's local rank 0, -1 and 0
+    by the others; ``own``: the steps of the parts this rank itself saved at this world size
+    (-1: none), whose per-rank values are its own.
+    """
 
     rank: int
     node: int
     local_rank: int
     place: int  # a hash of (host, memory dir): two nodes must not share one directory
-    step: int  # newest complete state in its node's memory, -1: none
-    slot: int
+    steps: tuple[int, int]
+    per_rank: tuple[int, int]
+    own: tuple[int, int]
     last_step: int  # the last step its node completed before this start, -1: unknown
     need: int
     free: int
 
     @classmethod
     def from_row(cls, rank: int, row: list[int]) -> NodeOffer:
-        return cls(rank, *row)
+        node, local_rank, place, s0, p0, s1, p1, o0, o1, last, need, free = row
+        return cls(rank, node, local_rank, place, (s0, s1), (p0, p1), (o0, o1), last, need, free)
+
+    @property
+    def newest_slot(self) -> int:
+        """The slot of the newest complete state, -1 when none."""
+        best = max(range(len(self.steps)), key=lambda s: self.steps[s])
+        return best if self.steps[best] >= 0 else -1
 
 
 @dataclass(frozen=True)
@@ -118,8 +133,22 @@ class Survey:
         return min((o for o in self.offers if o.node == node), key=lambda o: o.local_rank)
 
     def candidates(self, excluded: set[int] = frozenset()) -> list[Candidate]:
-        nodes = sorted({o.node for o in self.offers} - set(excluded))
-        return [Candidate(n, self.leader(n).step) for n in nodes if self.leader(n).step >= 0]
+        """Every complete state on every node but ``excluded`` (both slots), newest first."""
+        out = []
+        for node in sorted({o.node for o in self.offers} - set(excluded)):
+            leader = self.leader(node)
+            for step, per_rank in zip(leader.steps, leader.per_rank):
+                if step >= 0:
+                    out.append(Candidate(node, step, exact=not per_rank or self.exact(step)))
+        return sorted(out, key=lambda c: (-c.step, c.node))
+
+    def exact(self, step: int) -> bool:
+        """Whether every rank holds its own part of ``step`` (saved by the same rank at this world size)."""
+        return all(step in o.own for o in self.offers)
+
+    def slot(self, node: int, step: int) -> int:
+        """The slot of ``node`` that holds the complete state of ``step``."""
+        return self.leader(node).steps.index(step)
 
     def last_step(self) -> int | None:
         """The last step any node completed before this start (None when no node knows)."""
@@ -164,13 +193,15 @@ class MemoryTier:
 
     ``memory_dir``: the node's tmpfs directory; ``overhead``: the stall budget as a fraction of
     step time; ``every_steps``: a fixed interval instead (0: from the budget); ``timeout_s``: how
-    long a save waits for the node's other ranks to finish the previous one.
+    long a save waits for the node's other ranks to finish the previous one. ``required``: the
+    user asked for the tier, so a node without room for it is an error; otherwise (the tier is on
+    by default) the tier turns itself off for the attempt and :attr:`disabled` says why.
     """
 
     def __init__(
         self, *, memory_dir: str, overhead: float, every_steps: int, timeout_s: float, run_name: str,
         identity_digest: str, rank: int, local_rank: int, local_world_size: int, node: int, device: torch.device,
-        control_group: Any,
+        control_group: Any, world_size: int = 1, required: bool = True,
     ) -> None:  # fmt: skip
         self.enabled = overhead > 0
         self.memory_dir = memory_dir
@@ -178,6 +209,8 @@ class MemoryTier:
         self.every_steps = every_steps
         self.timeout_s = timeout_s
         self.rank = rank
+        self.world_size = world_size
+        self.required = required
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self.node = node
@@ -220,7 +253,8 @@ class MemoryTier:
         cores = _cores_per_rank(local_world_size)
         self.read_threads = cores
         self.write_threads = 1 if device.type == "cpu" else max(1, min(4, cores // 2))
-        self.failed: str | None = None
+        self.failed: str | None = None  # why the tier stopped: set on every rank at the same step
+        self._local_failure: str | None = None  # this rank's failed save, until the agreement stops the tier
         self.disabled: str | None = None  # why the tier turned itself off at the survey
 
     # ------------------------------------------------------------------------------------ start
@@ -237,7 +271,7 @@ class MemoryTier:
             return None
         _, tensors, _ = flatten_named(_state_dicts(state))
         need = 2 * sum(t.numel() * t.element_size() for t in tensors) + SPACE_MARGIN
-        newest, last, free = None, None, 0
+        states, own, last, free = [], [], None, 0
         problem = ""
         try:
             if self.local_rank == 0:
@@ -248,18 +282,21 @@ class MemoryTier:
             if self.local_rank == 0:
                 if fresh:
                     self.store.clear()
-                newest, last = self.store.newest(), self.store.last_step()
+                states, last = self.store.states(), self.store.last_step()
+            own = sorted(self.store.own_parts(self.rank, self.world_size))[-2:]
             free = self.store.free_bytes()
         except OSError as exc:
             problem = f"{exc}"
-        row = [
-            self.node, self.local_rank, _place_key(self.memory_dir), newest.step if newest else -1,
-            newest.slot if newest else -1, -1 if last is None else last, need, -1 if problem else free,
-        ]  # fmt: skip
+        by_slot = {found.slot: found for found in states}
+        row = [self.node, self.local_rank, _place_key(self.memory_dir)]
+        for slot in range(2):
+            found = by_slot.get(slot)
+            row += [found.step, int(bool(_per_rank_of(found)))] if found is not None else [-1, 0]
+        row += (own + [-1, -1])[:2] + [-1 if last is None else last, need, -1 if problem else free]
         survey = Survey(tuple(NodeOffer.from_row(r, row) for r, row in enumerate(self._all_gather(row))))
         survey = self._check(survey, problem)
-        mine = survey.leader(self.node)
-        self._slot = 1 - mine.slot if mine.slot >= 0 else 0
+        newest = survey.leader(self.node).newest_slot
+        self._slot = 1 - newest if newest >= 0 else 0
         return survey
 
     def _check(self, survey: Survey, problem: str) -> Survey:
@@ -275,25 +312,41 @@ class MemoryTier:
                     "one host, so the memory tier is off for this attempt (durable checkpoints go on); give each "
                     "agent its own --checkpoint.memory_dir to have it."
                 )
-                log.warning("[%d/-] %s", self.rank, self.disabled)
-                self.enabled = False
-                self.store.close()
-                return Survey(tuple(replace(o, step=-1, slot=-1) for o in survey.offers))
+                return self._turn_off(survey)
         short = [o for o in survey.offers if o.free < 0 or (o.local_rank == 0 and o.free < o.need)]
         if short:
             worst = short[0]
             unreadable = worst.free < 0
-            raise MemoryTierError(
+            where = (
                 f"The memory tier needs {_size(worst.need)} (two copies of the {_size((worst.need - SPACE_MARGIN) // 2)} "
                 f"state, and {_size(SPACE_MARGIN)} for its records) in checkpoint.memory_dir ({self.memory_dir!r}) on "
                 f"node{'s' if len(short) > 1 else ''} {', '.join(str(o.node) for o in short)}, but "
                 + (f"the directory cannot be used there ({problem or 'an OS error on that node'}). "
                    if unreadable else f"only {_size(worst.free)} is free there. ")
-                + "Give it room (Docker: --shm-size; Kubernetes: an emptyDir with medium: Memory and a sizeLimit "
-                "mounted at /dev/shm; or point --checkpoint.memory_dir at a larger tmpfs), or turn the tier off "
-                "with --checkpoint.memory_overhead=0 (durable checkpoints still work)."
             )  # fmt: skip
+            room = (
+                "Give it room (Docker: --shm-size; Kubernetes: an emptyDir with medium: Memory and a sizeLimit "
+                "mounted at /dev/shm; or point --checkpoint.memory_dir at a larger tmpfs)"
+            )
+            if self.required:
+                raise MemoryTierError(
+                    f"{where}{room}, or turn the tier off with --checkpoint.memory_overhead=0 (durable checkpoints "
+                    "still work)."
+                )
+            self.disabled = (
+                f"{where}So the memory tier is off for this attempt: a hard node loss costs the steps since the last "
+                f"durable checkpoint. {room}; --checkpoint.memory_overhead=0 turns it off without this message."
+            )
+            return self._turn_off(survey)
         return survey
+
+    def _turn_off(self, survey: Survey) -> Survey:
+        """Every rank sees the same survey, so every rank turns the tier off alike (:attr:`disabled` says why)."""
+        if self.rank == 0:
+            log.warning("[%d/-] %s", self.rank, self.disabled)
+        self.enabled = False
+        self.store.close()
+        return Survey(tuple(replace(o, steps=(-1, -1), own=(-1, -1)) for o in survey.offers))
 
     def _all_gather(self, row: list[int]) -> list[list[int]]:
         mine = torch.tensor(row, dtype=torch.int64)
@@ -310,6 +363,12 @@ class MemoryTier:
         agreed = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._group)
         return int(agreed.item())
+
+    def _all_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Collective on the default group (NCCL on GPUs): the element-wise maximum of an int64 vector."""
+        box = values.to(self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return box.cpu()
 
     def _all_ok(self, ok: bool) -> bool:
         return bool(self._all_min(int(ok)))
@@ -335,65 +394,110 @@ class MemoryTier:
 
     # ---------------------------------------------------------------------------------- restore
 
-    def restore(self, survey: Survey, node: int, state: Mapping[str, Any]) -> bool:
-        """Collective: load the newest state of ``node``'s memory into ``state`` on every rank.
+    def restore(self, survey: Survey, node: int, step: int, state: Mapping[str, Any]) -> bool:
+        """Collective: load the state of ``step`` from ``node``'s memory into ``state`` on every rank.
 
         The node's ranks read its parts, verifying each as it is read; if any part fails, every
         rank returns False (nothing was loaded) and the caller chooses again without this node.
-        Raises :class:`MemoryTierError` when the saved state does not fit the registered objects.
+        What differs across ranks: when every rank holds its own part of ``step``
+        (:meth:`Survey.exact`), each restores its own values from it; otherwise every rank gets the
+        values of the rank that saved the node's first part, and one line says so. Raises
+        :class:`MemoryTierError` when the saved state does not fit the registered objects.
         """
-        offer = survey.leader(node)
         ranks = survey.node_ranks(node)
+        slot = survey.slot(node, step)
+        has_per_rank = bool(survey.leader(node).per_rank[slot])
         held: dict[int, torch.Tensor] = {}
         problem = ""
-        index_text: bytes | None = None
+        header: bytes | None = None
         if self.rank in ranks:
             try:
-                found = self.store.complete(offer.slot)
-                if found is None or found.step != offer.step:
-                    raise MemoryFormatError(f"The state of step {offer.step} in {self.store.slot_path(offer.slot)} is no longer complete.")
+                found = self.store.complete(slot)
+                if found is None or found.step != step:
+                    raise MemoryFormatError(f"The state of step {step} in {self.store.slot_path(slot)} is no longer complete.")
                 mine = [i for i in range(len(found.records)) if ranks[i % len(ranks)] == self.rank]
                 for part in mine:
                     held[part] = self.store.read(found, part, self.read_threads)
                 if self.rank == ranks[0]:
-                    index_text = json.dumps(found.index).encode()
+                    first = found.records[0]
+                    header = json.dumps({"index": found.index, "own": first.own, "rank": first.rank}).encode()
             except MemoryFormatError as exc:
                 problem = str(exc)
-                log.warning("[%d/%d] %s", self.rank, offer.step, problem)
+                log.warning("[%d/%d] %s", self.rank, step, problem)
         if not self._all_ok(not problem):
             log.warning("[%d/%d] The memory tier of node %d failed verification; choosing again without it.",
-                        self.rank, offer.step, node)  # fmt: skip
+                        self.rank, step, node)  # fmt: skip
             return False
-        index = json.loads(self._broadcast_bytes(index_text, ranks[0]))
+        own: tuple[PartRecord, torch.Tensor] | None = None
+        if has_per_rank and survey.exact(step):
+            own = self._own_part(step)
+        exact = has_per_rank and self._all_ok(own is not None)
+        saved = json.loads(self._broadcast_bytes(header, ranks[0]))
+        index = saved["index"]
         try:
             specs = [TensorSpec.from_json(s, "the memory tier's index") for s in index["tensors"]]
             pieces = [[tuple(p) for p in part] for part in index["pieces"]]
+            per_rank = [int(t) for t in index.get("per_rank", [])]
             templates = _state_dicts(state)
-            dests, finish = _destinations(index["state"], specs, templates)
+            shared = {name: tree for name, tree in templates.items() if name in index["state"]}
+            dests, finish = _destinations(index["state"], specs, shared)
+            if set(templates) - set(shared) - set((saved["own"] or {}).get("state", {})):
+                raise TreeError(f"it holds no state named {sorted(set(templates) - set(shared))}")
         except (KeyError, TypeError, ValueError) as exc:
             raise MemoryTierError(
-                f"The state of step {offer.step} in node {node}'s memory tier does not fit this run's registered "
+                f"The state of step {step} in node {node}'s memory tier does not fit this run's registered "
                 f"objects: {exc}. Its directory is named after this run's identity, so this means the script "
                 "registers other state than the run that saved it; start with --checkpoint.memory_overhead=0 "
                 "once to resume from the durable tier."
             ) from exc
         started = time.perf_counter()
         self._receive(pieces, specs, ranks, held, dests)
+        trees: dict[str, Any] = {}
+        if has_per_rank:
+            if exact:
+                record, data = own
+                section = data[_pieces_bytes(pieces[record.part], specs) :]
+            else:
+                part0 = held.get(0)
+                section_of_first = part0[_pieces_bytes(pieces[0], specs) :] if part0 is not None else None
+                section = torch.frombuffer(bytearray(self._broadcast_bytes(
+                    section_of_first.numpy().tobytes() if section_of_first is not None else None, ranks[0])), dtype=torch.uint8)  # fmt: skip
+                record = replace(PartRecord(step, 0, 1, 0, "", ""), rank=saved["rank"], own=saved["own"])
+                if self.rank == 0:
+                    log.warning(
+                        "[%d/%d] Not every rank holds its own part of step %d in node memory (another world size, or a "
+                        "lost part): what differs across ranks is restored from rank %d's values on every rank, so it "
+                        "is not per-rank exact.", self.rank, step, step, record.rank,
+                    )  # fmt: skip
+            trees = _fill_per_rank(section, per_rank, specs, dests, record.own, templates)
         finish()
-        trees = {name: unflatten(index["state"][name], lambda i, _: dests[i], (name,), where="the memory tier")
-                 for name in state}  # fmt: skip
+        trees.update({name: unflatten(index["state"][name], lambda i, _: dests[i], (name,), where="the memory tier")
+                      for name in shared})  # fmt: skip
         for name, obj in state.items():
             try:
                 obj.load_state_dict(trees[name])
             except Exception as exc:  # the object's own check (keys, shapes) failed: name it
                 raise MemoryTierError(
-                    f"Loading {name!r} from node {node}'s memory tier (step {offer.step}) failed: {type(exc).__name__}: "
+                    f"Loading {name!r} from node {node}'s memory tier (step {step}) failed: {type(exc).__name__}: "
                     f"{exc}. The state there does not fit this run's registered objects; start with "
                     "--checkpoint.memory_overhead=0 once to resume from the durable tier."
                 ) from exc
-        log.info("[%d/%d] Restored from node %d's memory in %.2f s.", self.rank, offer.step, node,
-                 time.perf_counter() - started)  # fmt: skip
+        log.info("[%d/%d] Restored from node %d's memory in %.2f s%s.", self.rank, step, node,
+                 time.perf_counter() - started, "" if not has_per_rank else
+                 (", each rank its own per-rank values" if exact else ", per-rank values from one rank"))  # fmt: skip
         return True
+
+    def _own_part(self, step: int) -> tuple[PartRecord, torch.Tensor] | None:
+        """This rank's own part of ``step`` in its node's memory, verified, or None."""
+        found = self.store.own_parts(self.rank, self.world_size).get(step)
+        if found is None:
+            return None
+        slot, record = found
+        try:
+            return record, self.store.read_record(slot, record, self.read_threads)
+        except MemoryFormatError as exc:
+            log.warning("[%d/%d] This rank's own part cannot be used: %s", self.rank, step, exc)
+            return None
 
     def _receive(
         self, pieces: list[list[tuple[int, int, int]]], specs: list[TensorSpec], ranks: list[int],
@@ -430,9 +534,16 @@ class MemoryTier:
 
     # ------------------------------------------------------------------------------------- save
 
-    def after_step(self, step: int, state: Mapping[str, Any], agreed: tuple[float, float, float] | None) -> None:
+    def after_step(self, step: int, state: Mapping[str, Any], agreed: tuple[float, ...] | None) -> None:
         """Called by every rank after each step: note it, adopt the agreed interval, save when due."""
         if not self.enabled or self.failed:
+            return
+        if agreed is not None and agreed[4] > 0:
+            # Some rank's save failed: every rank stops the tier at this same step (its saves are
+            # collective), and durable checkpoints go on.
+            self.failed = self._local_failure or "a memory-tier save failed on another rank"
+            log.error("[%d/%d] The memory tier stops after a failed save (%s); durable checkpoints go on.",
+                      self.rank, step, self.failed)  # fmt: skip
             return
         now = time.perf_counter()
         if self._last_tick is not None:
@@ -469,13 +580,15 @@ class MemoryTier:
         direct = self.write_cpu_s if self.device.type == "cpu" else self.copies_s
         return self.stall_s + max(direct, self.background_s or 0.0)
 
-    def report(self) -> tuple[float, float, float, float]:
+    def report(self) -> tuple[float, float, float, float, float]:
         """This rank's share of the agreement (``REPORT_SIZE`` numbers): the medians of the recent save
         costs, step times without a save's stall, and background writes (see ``STEP_WINDOW``; zeros
-        before the first of each), and 1.0 while the step times cannot yet tell what a save's
-        background work costs (:attr:`background_s` is None), else 0.0."""
+        before the first of each); 1.0 while the step times cannot yet tell what a save's
+        background work costs (:attr:`background_s` is None), else 0.0; 1.0 once a save of this
+        rank failed, else 0.0."""
         untold = 1.0 if self.background_s is None else 0.0
-        return _median(self._recent_costs), _median(self._recent_steps), _median(self._recent_writes), untold
+        failed = 1.0 if self._local_failure else 0.0
+        return _median(self._recent_costs), _median(self._recent_steps), _median(self._recent_writes), untold, failed
 
     def save(self, step: int, state: Mapping[str, Any]) -> float:
         """Stage this rank's part of the state after ``step`` and write it in the background; the stall (s).
@@ -488,22 +601,33 @@ class MemoryTier:
         started = time.perf_counter()
         ok = self._wait_writer()
         self.waited_s = time.perf_counter() - started
-        if not ok:
-            return 0.0
         trees = _state_dicts(state)
-        encoded, tensors, paths = flatten_named(trees)
+        # Collective, on every rank alike -- a rank whose last write failed too, until the per-step
+        # agreement turns the tier off everywhere: which tensors differ across ranks, so that each
+        # rank keeps its own values of those in its part instead of a share of them.
+        split = classify(trees, synced=synced_paths(state), all_max=self._all_max if self._group is not None else None)
+        if not ok or self._local_failure:
+            return 0.0
+        encoded, tensors, paths = split.shared, list(split.tensors), split.paths
+        per_rank = tuple(sorted(split.per_rank))
         specs = tuple(TensorSpec.of(t) for t in tensors)
-        if self._plan is None or self._plan[0] != specs:
-            layout = plan(specs, list(range(self.local_world_size)), files_per_writer=1, min_file_bytes=0)
+        own_specs = tuple(TensorSpec.of(t) for t in split.own_tensors)
+        key = (specs, per_rank, own_specs)
+        if self._plan is None or self._plan[0] != key:
+            layout = plan(specs, list(range(self.local_world_size)), files_per_writer=1, min_file_bytes=0, skip=per_rank)
             # (tensor, first element, end element) of each local rank's part, in byte-stream order.
             parts = [[(p.tensor, p.start, p.stop) for f in layout.files_of(w) for p in f.pieces] for w in range(self.local_world_size)]
             digest = hashlib.sha256(
-                json.dumps([[path_text(p), s.to_json()] for p, s in zip(paths, specs)]).encode()
+                json.dumps([[[path_text(p), s.to_json()] for p, s in zip(paths, specs)], per_rank, sorted(split.own)]).encode()
             ).hexdigest()[:16]
-            self._plan = (specs, parts, digest, [spec.to_json() for spec in specs])
+            # After its share: this rank's own values of the per-rank tensors, then its per-rank objects.
+            own = [(t, 0, specs[t].numel) for t in per_rank]
+            own += [(len(specs) + j, 0, spec.numel) for j, spec in enumerate(own_specs)]
+            self._plan = (key, parts, digest, [spec.to_json() for spec in specs], parts[self.local_rank] + own)
             self._views = None  # the pieces are others now
-        _, parts, digest, specs_json = self._plan
-        mine = parts[self.local_rank]
+        _, parts, digest, specs_json, mine = self._plan
+        tensors += split.own_tensors
+        specs += own_specs
         nbytes = sum((b - a) * specs[t].itemsize for t, a, b in mine)
         on_gpu = any(tensors[t].is_cuda for t, _, _ in mine)
         if self._buffer is None or self._buffer.numel() != nbytes or self._buffer.is_pinned() != on_gpu:
@@ -525,9 +649,11 @@ class MemoryTier:
             torch._foreach_copy_([target for _, target in pieces], [source for source, _ in pieces])
         index = None
         if self.local_rank == 0:
-            index = {"state": encoded, "tensors": specs_json, "pieces": parts}
+            index = {"state": encoded, "tensors": specs_json, "pieces": parts, "per_rank": list(per_rank)}
         slot, previous = self._slot, self._previous
-        record = PartRecord(step, self.local_rank, self.local_world_size, nbytes, "", digest, index)
+        own_objects = {"state": split.own, "tensors": [spec.to_json() for spec in own_specs]} if split.own else None
+        record = PartRecord(step, self.local_rank, self.local_world_size, nbytes, "", digest, index, self.rank,
+                            self.world_size, own_objects)  # fmt: skip
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memory-tier")
         self._pending = self._pool.submit(self._write, slot, previous, record, self._buffer, copies)
@@ -587,7 +713,7 @@ class MemoryTier:
             )
         self.store.uncommit(slot, record.part)
         size, checksum = self.store.write(slot, record.part, [memoryview(buffer.numpy()).cast("B")], self.write_threads)
-        self.store.commit(slot, PartRecord(record.step, record.part, record.parts, size, checksum, record.digest, record.index))
+        self.store.commit(slot, replace(record, size=size, checksum=checksum))
 
     def _wait_writer(self) -> bool:
         """Wait for the save in flight; False (the tier then stops on this rank) if it failed."""
@@ -597,9 +723,9 @@ class MemoryTier:
         try:
             pending.result()
         except Exception as exc:  # noqa: BLE001 - a failed memory save must not stop training: durable still works
-            self.failed = f"{type(exc).__name__}: {exc}"
-            log.error("[%d/-] The memory tier stops on this rank after a failed save (%s); durable checkpoints go on.",
-                      self.rank, self.failed)  # fmt: skip
+            self._local_failure = f"{type(exc).__name__}: {exc}"
+            log.error("[%d/-] A memory-tier save failed on this rank (%s); the tier stops on every rank at the next "
+                      "agreed step, durable checkpoints go on.", self.rank, self._local_failure)  # fmt: skip
             return False
         # The save is complete: its stall (not yet replaced by the next save's) and its write's times.
         self._recent_costs.append(self.cost_s)
@@ -667,3 +793,47 @@ def _destinations(
                 target.copy_(filled)
 
     return dests, finish
+
+
+def _pieces_bytes(pieces: list[tuple[int, int, int]], specs: list[TensorSpec]) -> int:
+    return sum((b - a) * specs[t].itemsize for t, a, b in pieces)
+
+
+def _fill_per_rank(
+    section: torch.Tensor, per_rank: list[int], specs: list[TensorSpec], dests: Mapping[int, torch.Tensor],
+    own: dict[str, Any] | None, templates: Mapping[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """From one rank's per-rank bytes ``section`` (its values of the ``per_rank`` tensors, then its
+    per-rank objects' tensors): fill those tensors' destinations, and return the per-rank objects'
+    trees (``own``: their encoded trees and tensor specs as saved)."""
+    pos = 0
+    for t in per_rank:
+        size = specs[t].nbytes
+        if t in dests:
+            _byte_range(dests[t], 0, dests[t].numel()).copy_(section[pos : pos + size])
+        pos += size
+    if not own:
+        return {}
+    own_specs = [TensorSpec.from_json(x, "the memory tier's per-rank objects") for x in own["tensors"]]
+    offsets = []
+    for spec in own_specs:
+        offsets.append(pos)
+        pos += spec.nbytes
+
+    def tensor(i: int, path: tuple) -> torch.Tensor:
+        spec = own_specs[i]
+        target = leaf(templates.get(path[0]), path[1:])
+        fits = isinstance(target, torch.Tensor) and target.dtype == spec.dtype and tuple(target.shape) == spec.shape
+        out = target.detach() if fits and target.is_contiguous() else torch.empty(spec.shape, dtype=spec.dtype)
+        with torch.no_grad():
+            _byte_range(out, 0, out.numel()).copy_(section[offsets[i] : offsets[i] + spec.nbytes])
+        return out
+
+    return {name: unflatten(tree, tensor, (name,), where="the memory tier") for name, tree in own["state"].items()
+            if name in templates}  # fmt: skip
+
+
+def _per_rank_of(found: Any) -> bool:
+    """Whether a complete state in node memory holds per-rank values."""
+    index = found.records[0].index or {}
+    return bool(index.get("per_rank")) or found.records[0].own is not None

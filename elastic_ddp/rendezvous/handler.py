@@ -38,6 +38,16 @@ full, closing at shutdown):
    first round of a run is numbered after the etcd revision it was created at, so even a run whose
    keys expired and were created again never reuses a number (checkpoint commits are fenced by
    it).
+5. **Invalid settings end the job on every node, spending no restart.** The handler gives its
+   agent's workers a directory of its own (``ELASTIC_DDP_SETTINGS_ERROR_DIR``, with the agent's
+   pid); a worker whose settings are invalid writes the message there and waits to be stopped
+   (:func:`elastic_ddp.run.launch`). ``num_nodes_waiting()`` finds it (one ``open`` of a missing
+   file per call otherwise) and asks for a new round -- torch's agent restarts a healthy group
+   for that without counting a restart, while a worker that had exited would cost one -- and
+   ``next_rendezvous()`` then closes the rendezvous with the message as its reason (one
+   compare-and-set) and raises :class:`InvalidSettingsError` with it, which torchrun prints last
+   and exits 1 with. The other nodes see the closed record through their watch: their
+   ``num_nodes_waiting()`` asks for a new round too, and their join raises the same error.
 """
 
 from __future__ import annotations
@@ -47,7 +57,9 @@ import itertools
 import logging
 import os
 import random
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import weakref
@@ -64,15 +76,18 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, read_settings_error
 from elastic_ddp.rendezvous.client import (
     Backoff, Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError,
     KeyValue, LeaseKeepAlive, Put, Range, TxnResult, WatchStream,
 )  # fmt: skip
-from elastic_ddp.rendezvous.rounds import COMPLETE, LAST_CALL, OPEN, RoundRecord, Seen, Step, decide, node_key
+from elastic_ddp.rendezvous.rounds import (
+    COMPLETE, LAST_CALL, MAX_REASON_LENGTH, OPEN, RoundRecord, Seen, Step, decide, node_key,
+)  # fmt: skip
 from elastic_ddp.rendezvous.store import EtcdV3Store
 from elastic_ddp.rendezvous.view import RoundView, RunKeys, Snapshot, run_lease_id
 
-__all__ = ["ENV_RDZV_ROUND", "EtcdRendezvousHandler", "HandlerSettings"]
+__all__ = ["ENV_RDZV_ROUND", "EtcdRendezvousHandler", "HandlerSettings", "InvalidSettingsError"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +105,14 @@ _PREVIOUS_RECHECK_S = 1.0
 # does before its first round: of 1,000 nodes starting together, most then see the record the
 # first one created (through their watch) instead of each sending a transaction that fails.
 _CREATE_JITTER_S = 0.3
+
+
+class InvalidSettingsError(RendezvousClosedError):
+    """The rendezvous is closed because a worker's settings are invalid; the message ends with them.
+
+    A ``RendezvousClosedError``: torch's agent does not catch it, so torchrun exits 1 with it as the
+    last thing it prints, on every node.
+    """
 
 
 @dataclass(frozen=True)
@@ -195,6 +218,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._finished = False
         self._shared_tcp_store_server: dist.Store | None = None
         self._bootstrap_store_info: RendezvousStoreInfo | None = None
+        # Where this agent's workers report invalid settings (module docstring, 5.); the workers
+        # inherit the agent's environment when they start.
+        try:
+            self._settings_error_dir = tempfile.mkdtemp(prefix="elastic_ddp-agent-")
+            os.environ[ENV_SETTINGS_ERROR_DIR] = self._settings_error_dir
+            os.environ[ENV_AGENT_PID] = str(os.getpid())
+        except OSError as exc:  # the job runs as before: a bad setting then costs every restart
+            log.warning("No directory for workers to report invalid settings in (%s).", exc)
+            self._settings_error_dir = ""
         atexit.register(_leave_at_exit, weakref.ref(self))
 
     # -- RendezvousHandler -------------------------------------------------------------------
@@ -215,6 +247,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return self._node_text
 
     @property
+    def settings_error_dir(self) -> str:
+        """The directory this agent's workers report invalid settings in (``ELASTIC_DDP_SETTINGS_ERROR_DIR``)."""
+        return self._settings_error_dir
+
+    @property
     def use_agent_store(self) -> bool:
         return os.getenv(SHARE_STORE_ENV, "0") != "1"
 
@@ -222,11 +259,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Join the next round (see the module docstring); blocks until it completes with this node.
 
         Raises:
+            InvalidSettingsError: a worker of this node reported invalid settings (the rendezvous
+                is closed with them for every node), or another node's did.
             RendezvousClosedError, RendezvousGracefulExitError: the rendezvous is closed.
             RendezvousTimeoutError: no round completed with this node within ``join_timeout``.
             RendezvousConnectionError: etcd failed or refused a request.
             RendezvousStateError: the round record is corrupt.
         """
+        message = read_settings_error(self._settings_error_dir)
+        if message is not None:
+            raise self._close_for_settings(message)
         log.info("The node '%s' attempts to join the next round of the rendezvous '%s'.", self._node_text,
                  self._settings.run_id)  # fmt: skip
         self._view.stop_following()
@@ -244,16 +286,26 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, rank, world_size, self._bootstrap(rank, store))
 
     def num_nodes_waiting(self) -> int:
-        """Nodes waiting for a new round, or members of this node's round that are gone.
+        """Nodes waiting for a new round, or members of this node's round that are gone; 1 when
+        the job must end (a worker of this node reported invalid settings, or the rendezvous was
+        closed with a reason): ``next_rendezvous()`` then raises it.
 
         Answered from watched state (no etcd request), so it never fails: during an etcd outage
         it reports no change, and training, which does not use etcd, goes on.
         """
         if self._joined is None or self._finished:
             return 0
+        if read_settings_error(self._settings_error_dir) is not None:
+            self._report(("settings",), "A worker of node '%s' reported invalid settings; ending the job on every node "
+                         "(no restart can fix them).", self._node_text)  # fmt: skip
+            return 1
         snapshot = self._view.snapshot()
         record = snapshot.record
         if record is not None and record.closed:
+            if record.reason:
+                self._report(("closed", record.reason), "The rendezvous '%s' was closed: %s", self._settings.run_id,
+                             record.reason)  # fmt: skip
+                return 1
             return 0
         if record is None or record.round > self._joined:
             self._report(("new round", None if record is None else record.round),
@@ -280,11 +332,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._close()
 
     def shutdown(self) -> bool:
-        """Close the rendezvous, then leave it (revoke this node's lease); False if closing failed."""
+        """Close the rendezvous (with a worker's settings error as the reason, if one was reported),
+        then leave it (revoke this node's lease); False if closing failed."""
         if self._finished:
             return True
         try:
-            self._close()
+            message = read_settings_error(self._settings_error_dir)
+            self._close(self._settings_reason(message) if message is not None else "")
             return True
         except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
             log.warning("The node '%s' could not close the rendezvous '%s' (%s).", self._node_text,
@@ -302,6 +356,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._view.close()
         self._keep_alive.close()
         self._stream.close()
+        if self._settings_error_dir and os.environ.get(ENV_SETTINGS_ERROR_DIR) == self._settings_error_dir:
+            os.environ.pop(ENV_SETTINGS_ERROR_DIR, None)
+            os.environ.pop(ENV_AGENT_PID, None)
+        if self._settings_error_dir:
+            shutil.rmtree(self._settings_error_dir, ignore_errors=True)
         with self._lock:
             lease, self._lease = self._lease, None
         if lease is not None:
@@ -416,6 +475,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     f"join timeout ({settings.join_timeout:g} s): {why}."
                 )
             elif step is Step.CLOSED:
+                if record.reason:
+                    raise InvalidSettingsError(f"The rendezvous '{settings.run_id}' is closed: {record.reason}")
                 raise RendezvousClosedError(f"The rendezvous '{settings.run_id}' is closed.")
             elif step is Step.GRACEFUL_EXIT:
                 raise RendezvousGracefulExitError(f"The rendezvous '{settings.run_id}' is closed; {why}.")
@@ -705,29 +766,55 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     # -- closing -------------------------------------------------------------------------------
 
-    def _close(self) -> None:
+    def _settings_reason(self, message: str) -> str:
+        reason = (f"the settings of a worker of node '{self._node_text}' are invalid (no restart can fix them):\n"
+                  f"{message.strip()}")  # fmt: skip
+        return reason if len(reason) <= MAX_REASON_LENGTH else reason[: MAX_REASON_LENGTH - 6] + " [...]"
+
+    def _close_for_settings(self, message: str) -> InvalidSettingsError:
+        """Close the rendezvous with this node's workers' settings error as the reason (the other
+        nodes exit with it); the error to raise, also when etcd could not be told."""
+        reason = self._settings_reason(message)
+        log.error("A worker of node '%s' reported invalid settings; closing the rendezvous '%s' for every node.",
+                  self._node_text, self._settings.run_id)  # fmt: skip
+        try:
+            self._close(reason)
+        except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
+            log.warning("The node '%s' could not close the rendezvous '%s' (%s); the other nodes end when their "
+                        "own workers fail.", self._node_text, self._settings.run_id, exc)  # fmt: skip
+        return InvalidSettingsError(f"The rendezvous '{self._settings.run_id}' is closed: {reason}")
+
+    def _close(self, reason: str = "") -> None:
+        """Mark the rendezvous closed (with ``reason``, unless it was closed with one already)."""
         deadline = time.monotonic() + self._settings.close_timeout
+
+        def done(record: RoundRecord | None) -> bool:
+            return record is not None and record.closed and bool(record.reason or not reason)
+
+        wrote = False
         try:
             snap = self._view.refresh()
-            while snap.record is None or not snap.record.closed:
+            while not done(snap.record):
                 if time.monotonic() > deadline:
                     raise RendezvousTimeoutError(
                         f"The rendezvous '{self._settings.run_id}' could not be closed within the close timeout "
                         f"({self._settings.close_timeout:g} s)."
                     )
                 if snap.record is None:
-                    record = RoundRecord(round=snap.read_revision + 1, closed=True)
+                    record = RoundRecord(round=snap.read_revision + 1, closed=True, reason=reason)
                     self._client.ensure_lease(self._run_lease, self._settings.run_ttl)
                     compare, lease = Compare.absent(self._keys.round), self._run_lease
                 else:
-                    record = replace(snap.record, closed=True)
+                    record = replace(snap.record, closed=True, reason=snap.record.reason or reason)
                     compare, lease = Compare.mod_revision(self._keys.round, snap.mod_revision), snap.lease or self._run_lease
                 result = self._client.txn([compare], [Put(self._keys.round, record.encode(), lease)], [Range(self._keys.round)])
                 self._apply(result, record)
+                wrote = wrote or result.succeeded
                 snap = self._view.snapshot()
         except EtcdError as exc:
             raise RendezvousConnectionError(f"The connection to etcd has failed while closing the rendezvous ({exc}).") from exc
-        log.info("The node '%s' has closed the rendezvous '%s'.", self._node_text, self._settings.run_id)
+        if wrote:
+            log.info("The node '%s' has closed the rendezvous '%s'.", self._node_text, self._settings.run_id)
 
     def _report(self, change: tuple, message: str, *args) -> None:
         if change != self._reported:

@@ -6,7 +6,9 @@ A run's rendezvous is one small *round record* plus one key per node that regist
 * The round record (``<run>/round``, JSON, a few dozen bytes) says which round is current and
   how far it got: ``open`` (nodes register), ``last_call`` (``min_nodes`` registered; the round
   completes when ``last_call_timeout`` has passed on the clock of the node that said so, or as
-  soon as ``max_nodes`` registered), ``complete``, and whether the rendezvous is ``closed``.
+  soon as ``max_nodes`` registered), ``complete``, and whether the rendezvous is ``closed`` --
+  with a ``reason`` when the job must end on every node (a worker's settings are invalid: no
+  restart can fix them), which every node then exits with, spares included.
   Every change of it is one compare-and-set on its revision. A round opened after a completed
   one also records how many registrations that one had (``previous``).
 * A node registers for round R by writing ``<run>/joins/<R>/<node>`` under its own lease. The
@@ -42,10 +44,12 @@ from enum import Enum
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
-__all__ = ["OPEN", "LAST_CALL", "COMPLETE", "RoundRecord", "Seen", "Step", "decide", "node_key"]
+__all__ = ["MAX_REASON_LENGTH", "OPEN", "LAST_CALL", "COMPLETE", "RoundRecord", "Seen", "Step", "decide", "node_key"]
 
 OPEN, LAST_CALL, COMPLETE = "open", "last_call", "complete"
 _STATES = (OPEN, LAST_CALL, COMPLETE)
+# A closed record's reason is written once and sent to every node: it stays one small value.
+MAX_REASON_LENGTH = 2000
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,9 @@ class RoundRecord:
     ``completed_at`` is the revision whose registrations form the round (0 in a record that is
     not complete yet, and in the record written by the completing compare-and-set itself, whose
     own revision is meant: it is not known before the write). Later rewrites of a complete
-    record (closing it) carry it explicitly.
+    record (closing it) carry it explicitly. ``reason`` (only in a closed record, at most
+    :data:`MAX_REASON_LENGTH` characters): why the job ends on every node; empty for an ordinary
+    close (a node whose job finished), after which the others finish on their own.
     """
 
     round: int
@@ -63,6 +69,7 @@ class RoundRecord:
     closed: bool = False
     completed_at: int = 0
     previous: int = 0  # registrations of the round before, at its completion (0: none or unknown)
+    reason: str = ""
 
     def encode(self) -> bytes:
         body = {"round": self.round, "state": self.state, "closed": self.closed}
@@ -70,6 +77,8 @@ class RoundRecord:
             body["completed_at"] = self.completed_at
         if self.previous:
             body["previous"] = self.previous
+        if self.reason:
+            body["reason"] = self.reason
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -82,7 +91,8 @@ class RoundRecord:
         try:
             body = json.loads(raw)
             record = cls(int(body["round"]), str(body["state"]), bool(body.get("closed", False)),
-                         int(body.get("completed_at", 0)), int(body.get("previous", 0)))  # fmt: skip
+                         int(body.get("completed_at", 0)), int(body.get("previous", 0)),
+                         str(body.get("reason", "")))  # fmt: skip
         except (ValueError, TypeError, KeyError) as exc:
             raise RendezvousStateError(
                 f"The rendezvous round record at etcd key '{key}' is corrupt ({raw[:80]!r}); expected JSON "
@@ -175,6 +185,8 @@ def decide(seen: Seen, min_nodes: int, max_nodes: int, now: float, deadline: flo
         return Step.CREATE, "there is no round record yet"
     r = record.round
     if record.closed:
+        if record.reason:  # the job ends with an error on every node, spares included
+            return Step.CLOSED, f"the rendezvous is closed: {record.reason}"
         if seen.spare:
             return Step.GRACEFUL_EXIT, f"the rendezvous closed while this node waited as a spare of round {r}"
         return Step.CLOSED, "the rendezvous is closed"

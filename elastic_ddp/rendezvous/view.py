@@ -5,7 +5,8 @@ Layout under ``<key_prefix>/<run_id>/``:
 ============================  ==============================================  ==================
 key                           holds                                           lease
 ============================  ==============================================  ==================
-``round``                     the round record (JSON, ~60 bytes)              the run's lease
+``round``                     the round record (JSON, ~60 bytes; a closing    the run's lease
+                              reason adds at most 2,000 characters)
 ``joins/<round>/<node>``      a node's registration for a round (its address)  the node's lease
 ``store/...``                 the c10d store's keys (``EtcdV3Store``)         the store's lease
 ============================  ==============================================  ==================

@@ -6,11 +6,12 @@ save: train ``--steps`` steps, async-saving at each step in ``--save-at`` while 
       fault point for the save of step ``--fault-step`` only. Each rank prints how many bytes of the
       replicated state it staged: ``rank R staged S of T replicated bytes``.
 load: resolve ``--resume`` (default auto), load into a fresh model and optimizer, compare with the
-      dump of the resumed step (model, optimizer state, progress) and, at the saving world size,
-      check that each rank got its own per-rank state back; print the bytes of the checkpoint this
-      rank read from storage; then train one more step to show it works.
+      dump of the resumed step (model, optimizer state, progress) and check that each rank got its
+      own per-rank object back at the saving world size, rank 0's at another; print the bytes of the
+      checkpoint this rank read from storage; then train one more step to show it works.
 
-Both modes save per-rank state (a tensor and the rank) besides the replicated state. A manager
+Both modes register an object whose values differ per rank (a tensor and the rank) beside the
+replicated state, as any other: the manager finds that it differs and stores it per rank. A manager
 that cannot be built (checkpoint.url not shared by all nodes) ends the worker with exit status 5.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 tests/workers/ckpt_worker.py \
@@ -67,8 +68,9 @@ def own_value(rank: int, step: int) -> float:
     return float(10 * rank + step)
 
 
-def objects(model: torch.nn.Module, opt: torch.optim.Optimizer, progress: Progress) -> dict:
-    return {"model": ModelState(model), "optim": OptimizerState(model, opt), "progress": progress}
+def objects(model: torch.nn.Module, opt: torch.optim.Optimizer, progress: Progress, mine: Mine | None = None) -> dict:
+    out = {"model": ModelState(model), "optim": OptimizerState(model, opt), "progress": progress}
+    return out if mine is None else {**out, "mine": mine}
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -136,7 +138,7 @@ def main() -> int:
                 if step == args.fault_step:
                     os.environ[ENV_FAULT_POINT] = args.fault
                 mine.values.fill_(own_value(rank, step))
-                mgr.save(step, objects(model, opt, Progress(step, world)), rank_state={"mine": mine}, blocking=False)
+                mgr.save(step, objects(model, opt, Progress(step, world), mine), blocking=False)
                 expected[step] = snapshot(model, opt)
                 # Keep changing the tensors while the background write runs.
                 with torch.no_grad():
@@ -158,7 +160,7 @@ def main() -> int:
         print("no checkpoint", file=sys.stderr)
         return 4
     progress = Progress()
-    restored = mgr.load(info, objects(model, opt, progress), rank_state={"mine": mine})
+    restored = mgr.load(info, objects(model, opt, progress, mine))
     read = mgr.last_load.bytes_read
     expected = torch.load(args.dump, weights_only=True)[info.step]
     got = snapshot(model, opt)
@@ -173,8 +175,9 @@ def main() -> int:
         raise SystemExit(f"rank {rank}: progress {progress.state_dict()} does not match step {info.step}")
     if restored != (info.world_size == world):
         raise SystemExit(f"rank {rank}: per-rank state restored={restored} at world size {world}")
-    if restored and (mine.rank != rank or not torch.equal(mine.values, torch.full((5,), own_value(rank, info.step)))):
-        raise SystemExit(f"rank {rank}: got the per-rank state of rank {mine.rank}")
+    owner = rank if restored else 0  # at another world size every rank gets rank 0's
+    if mine.rank != owner or not torch.equal(mine.values, torch.full((5,), own_value(owner, info.step))):
+        raise SystemExit(f"rank {rank}: got the per-rank state of rank {mine.rank}, expected rank {owner}'s")
     train_step(ddp, opt, info.step + 1, rank)
     mgr.close()
     print(f"rank {rank}/{world}: resumed step {info.step} saved at world size {info.world_size}: OK "
