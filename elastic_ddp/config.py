@@ -165,6 +165,15 @@ class TrainConfig(Section):
         ),
     )
 
+    @model_validator(mode="after")
+    def _check_exit(self) -> TrainConfig:
+        if self.exit_at_step > self.max_steps:
+            raise ValueError(
+                f"train.exit_at_step ({self.exit_at_step}) has no effect: the run ends at train.max_steps "
+                f"({self.max_steps}) before it."
+            )
+        return self
+
 
 class DataConfig(Section):
     num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes per rank.")
@@ -178,6 +187,15 @@ class DataConfig(Section):
             "exactly-once sample order; costs one host sync per step; see elastic_ddp/data/ledger.py)."
         ),
     )
+
+    @model_validator(mode="after")
+    def _check_workers(self) -> DataConfig:
+        if "prefetch_batches" in self.model_fields_set and self.num_workers == 0:
+            raise ValueError(
+                f"data.prefetch_batches ({self.prefetch_batches}) has no effect with data.num_workers=0: batches are "
+                "then made in the training process, one step at a time. Set data.num_workers, or drop it."
+            )
+        return self
 
 
 class CheckpointConfig(Section):
@@ -313,11 +331,21 @@ class CheckpointConfig(Section):
     @model_validator(mode="after")
     def _check_resume(self) -> CheckpointConfig:
         value = self.resume
-        if value in ("auto", "never") or value.isdigit() or "/" in value or "://" in value:
-            return self
-        raise ValueError(
-            f"checkpoint.resume ({value!r}) must be 'auto', 'never', a step number or a checkpoint URL."
-        )
+        if not (value in ("auto", "never") or value.isdigit() or "/" in value or "://" in value):
+            raise ValueError(
+                f"checkpoint.resume ({value!r}) must be 'auto', 'never', a step number or a checkpoint URL."
+            )
+        # Settings that only matter for one kind of start are errors for the other, never silent no-ops.
+        if value == "never" and self.allow_identity_change:
+            raise ValueError(
+                "checkpoint.allow_identity_change=true has no effect with checkpoint.resume=never: nothing is resumed."
+            )
+        if value != "never" and self.overwrite:
+            raise ValueError(
+                f"checkpoint.overwrite=true has no effect with checkpoint.resume={value!r}: it deletes old checkpoints "
+                "only for a run that starts afresh (checkpoint.resume=never)."
+            )
+        return self
 
 
 class LoggingConfig(Section):
@@ -688,12 +716,10 @@ _DERIVED_HELP = {
 
 
 def _values_of(config: Config) -> dict[str, Any]:
-    """Every value of ``config`` (assignments included), without the derived defaults it filled in."""
-    data = config.model_dump()
-    for section, field in _DERIVED:
-        if field not in getattr(config, section).__pydantic_fields_set__:
-            data[section].pop(field, None)
-    return data
+    """The values set in ``config`` (at construction or by assignment), section by section: what it
+    changes from the defaults. The rest -- the derived defaults it filled in among them -- stays
+    unset, so validation can tell a setting given from a default (see CheckpointConfig.memory_asked)."""
+    return {name: getattr(config, name).model_dump(exclude_unset=True) for name in type(config).model_fields}
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

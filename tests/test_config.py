@@ -458,3 +458,32 @@ def test_every_recipe_config_loads_with_its_recipes_settings(config, monkeypatch
     assert {key: loaded[key] for key in given} == given
     # Flags after --config still win.
     assert load_config(["--config", str(config), "--train.max_steps=3"], recipe.Settings).train.max_steps == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--data.prefetch_batches=4"], r"data.prefetch_batches \(4\) has no effect with data.num_workers=0"),
+        (["--checkpoint.overwrite=true"], "checkpoint.overwrite=true has no effect with checkpoint.resume='auto'"),
+        (["--checkpoint.resume=never", "--checkpoint.allow_identity_change=true"],
+         "checkpoint.allow_identity_change=true has no effect with checkpoint.resume=never"),
+        (["--train.max_steps=10", "--train.exit_at_step=20"], r"train.exit_at_step \(20\) has no effect"),
+    ],
+)
+def test_a_setting_that_cannot_take_effect_is_an_error_naming_what_disables_it(flags, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(flags)
+
+
+def test_values_given_by_a_defaults_instance_count_as_given_and_the_others_stay_defaults():
+    defaults = Settings()
+    defaults.checkpoint.memory_every_steps = 3
+    cfg = load_config([], defaults)
+    assert cfg.checkpoint.memory_every_steps == 3 and cfg.checkpoint.memory_asked
+    assert not load_config([], Settings()).checkpoint.memory_asked
+
+
+def test_the_settings_that_belong_together_are_accepted_together():
+    load_config(["--data.num_workers=2", "--data.prefetch_batches=4"])
+    load_config(["--checkpoint.resume=never", "--checkpoint.overwrite=true"])
+    load_config(["--train.max_steps=20", "--train.exit_at_step=20"])
