@@ -382,6 +382,15 @@ class DistConfig(Section):
             "restarts it anyway."
         ),
     )
+    stable_buckets: bool = Field(
+        default=True,
+        description=(
+            "Reduce every step's gradients in one DDP bucket layout, the first step of each attempt included, so "
+            "that a resume at the same world size stays bitwise identical at 3 ranks and more (see "
+            "elastic_ddp/ddp_buckets.py). It is a DDP communication hook: turn it off to register your own "
+            "(ddp_model.register_comm_hook) after run.setup()."
+        ),
+    )
 
 
 class Config(Section):

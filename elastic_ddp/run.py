@@ -66,6 +66,7 @@ from elastic_ddp.chaos import maybe_inject
 from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
 from elastic_ddp.checkpoint.manifest import identity_digest
 from elastic_ddp.config import Config, ConfigError, identity_differences, load_config
+from elastic_ddp.ddp_buckets import stabilize_buckets
 from elastic_ddp.data import (
     ORDER_VERSION, DataCursor, ElasticSampler, MicroBatch, StepBatch, StepBatches, StepLedger, check_dataset,
     derive_seed, to_device,
@@ -349,6 +350,8 @@ class Run:
         objects[DATA] = self._data
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self._ddp = DistributedDataParallel(model, device_ids=device_ids, **dict(ddp_kwargs or {}))
+        if self.cfg.dist.stable_buckets:
+            stabilize_buckets(self._ddp)  # bitwise same-size resume at 3+ ranks: one reduction layout
         self._optimizer = optimizer
         self._state = objects
         self._checkpoints = CheckpointManager(
