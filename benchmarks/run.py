@@ -37,6 +37,7 @@ COMPARISONS = {
     "rdzv_join": "benchmarks.bench_rdzv_join",
     "rdzv_idle": "benchmarks.bench_rdzv_idle",
     "checkpoint": "benchmarks.bench_checkpoint",
+    "divergence": "benchmarks.bench_divergence",
     "resume": "benchmarks.bench_resume",
     "sampler": "benchmarks.bench_sampler",
     "training": "benchmarks.bench_training",

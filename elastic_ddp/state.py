@@ -140,12 +140,13 @@ class ModelState:
 
     def synced(self) -> Callable[[tuple[Any, ...]], bool]:
         """For one save: whether the tensor at a path of :meth:`state_dict` is the same on every rank by
-        construction (a trainable parameter of a replicated model)."""
+        construction (a trainable parameter of a replicated model); for the empty path, whether the
+        state's structure is (the same module on every rank: names, dtypes and shapes)."""
+        if not self._replicated:
+            return lambda path: False
         # Taken at each save: a model may gain or freeze parameters between saves.
-        names = frozenset(
-            name for name, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad and self._replicated
-        )
-        return lambda path: len(path) == 1 and path[0] in names
+        names = frozenset(name for name, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad)
+        return lambda path: not path or (len(path) == 1 and path[0] in names)
 
     def state_dict(self) -> dict[str, Any]:
         if _verify_options is None:
@@ -174,9 +175,9 @@ class OptimizerState:
         self._replicated = replicated
 
     def synced(self) -> Callable[[tuple[Any, ...]], bool]:
-        """For one save: whether the tensor at a path is the same on every rank by construction -- every
-        one when the model is DDP's (the same parameters and all-reduced gradients give the same
-        update everywhere)."""
+        """For one save: whether the tensor at a path (and, for the empty path, the structure and
+        plain values) is the same on every rank by construction -- all of it when the model is DDP's
+        (the same parameters and all-reduced gradients give the same update everywhere)."""
         replicated = self._replicated
         return lambda path: replicated
 

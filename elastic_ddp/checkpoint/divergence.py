@@ -13,15 +13,16 @@ which rank would depend on the file plan. :func:`classify` decides instead, coll
 * in every other object, a tensor whose bytes differ across ranks is stored by every rank: a
   *per-rank tensor*. All other tensors are stored once in total, as each rank's share.
 
-Objects may declare which of their tensors are the same by construction with a method
-``synced(path) -> bool`` (:class:`elastic_ddp.state.ModelState` and
-:class:`~elastic_ddp.state.OptimizerState` of the DDP model do); those are not hashed.
+Objects may declare what of theirs is the same on every rank by construction (the DDP model's and
+optimizer's adapters in :mod:`elastic_ddp.state` do): ``synced(path)`` of a tensor's path -- that
+tensor is not hashed -- and of the object's own path -- its structure and plain values are not
+compared.
 
 Cost per save: each rank reads the tensors it must compare once, on the device where they live (a
-column sum over their int64 words, at memory speed; tensors under :data:`SMALL_BYTES` are copied
-to the host in one batch and hashed there), then two all-reduces (``MAX``) of two int64 per object
-and per compared tensor: O(number of tensors) on the network, whatever their size. One host sync
-reads the result.
+column sum over their int64 words, at memory speed; tensors under :data:`LARGE_BYTES` are hashed
+on the host, GPU ones after one batched copy), then two all-reduces (``MAX``) of two int64 per
+object and per compared tensor: O(number of tensors) on the network, whatever their size. One host
+sync reads the result.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import torch
 
 from elastic_ddp.checkpoint.tree import Path, TensorSpec, flatten_named, path_text
 
 __all__ = ["AllMax", "Split", "classify", "describe", "tensor_checksums"]
 
-# Tensors smaller than this are hashed on the host in one batch: a device column sum is a few
-# kernel launches per tensor, which for thousands of small buffers costs more than their bytes.
-SMALL_BYTES = 64 << 10
+# Tensors smaller than this are hashed on the host (BLAKE3, ~2 GB/s, ~1 us a call): a device column
+# sum is a few kernel launches per tensor (~0.1 ms on a CPU), which costs more below ~0.3 MB.
+LARGE_BYTES = 1 << 20
 # Words per row of the column sum: a difference in one row is weighted by its column, so two ranks
 # holding the same words in another order within a row still disagree.
 ROW_WORDS = 2048
@@ -95,7 +97,8 @@ def classify(
     """Encode ``{name: state_dict}`` and decide what of it differs across ranks (see the module docstring).
 
     ``synced(path)``: whether the tensor at ``path`` (starting with the object's name) is the same on
-    every rank by construction; ``all_max``: the collective (None: one process, nothing differs).
+    every rank by construction, and for ``(name,)`` whether the object's structure and plain values
+    are; ``all_max``: the collective (None: one process, nothing differs).
     Every rank must call this with the same object names, in the same order. Raises
     :class:`~elastic_ddp.checkpoint.tree.TreeError` naming the path of a value a checkpoint cannot hold.
     """
@@ -106,8 +109,9 @@ def classify(
     specs_of: dict[str, list[TensorSpec]] = {name: [] for name in names}
     for tensor, path in zip(tensors, paths):
         specs_of[path[0]].append(TensorSpec.of(tensor))
-    digests = [_object_digest(encoded[name], specs_of[name]) for name in names]
-    own_names = [name for name, differs in zip(names, _differ(digests, all_max)) if differs]
+    compared = [name for name in names if synced is None or not synced((name,))]
+    digests = [_object_digest(encoded[name], specs_of[name]) for name in compared]
+    own_names = [name for name, differs in zip(compared, _differ(digests, all_max)) if differs]
     own: dict[str, Any] = {}
     own_tensors: list[torch.Tensor] = []
     if own_names:
@@ -144,20 +148,28 @@ def _differ(values: list[int], all_max: AllMax) -> list[bool]:
 def tensor_checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Two int64 checksums of each tensor's bytes, as a ``[len(tensors), 2]`` CPU tensor.
 
-    Equal bytes give equal checksums on every rank (integer arithmetic, wrapping, in a fixed order).
-    Large tensors are summed on their own device: the column sums of their int64 words laid out in
-    rows of :data:`ROW_WORDS`, then the total and the column-weighted total of those sums; small
-    ones are hashed on the host (BLAKE2b) after one batched copy.
+    Equal bytes give equal checksums on every rank. Tensors of at least :data:`LARGE_BYTES` are
+    summed on their own device -- the column sums of their int64 words laid out in rows of
+    :data:`ROW_WORDS`, then the total and the column-weighted total of those sums (integer
+    arithmetic, wrapping, in a fixed order): one read at memory speed. Smaller ones are hashed with
+    BLAKE3 on the host, CPU tensors in place and GPU tensors after one batched copy per device: a
+    device sum costs a few kernel launches per tensor, more than hashing a small tensor's bytes.
     """
     out = torch.zeros(len(tensors), 2, dtype=torch.int64)
-    small = [i for i, t in enumerate(tensors) if t.numel() * t.element_size() < SMALL_BYTES]
-    large = [i for i, t in enumerate(tensors) if t.numel() * t.element_size() >= SMALL_BYTES]
+    small = [i for i, t in enumerate(tensors) if t.numel() * t.element_size() < LARGE_BYTES]
+    large = [i for i, t in enumerate(tensors) if t.numel() * t.element_size() >= LARGE_BYTES]
     if small:
         for i, digest in zip(small, _host_digests([tensors[i] for i in small])):
             out[i, 0], out[i, 1] = digest
     if large:
-        device_sums = [_column_checksum(tensors[i]) for i in large]
-        out[large] = torch.stack([s.cpu() for s in device_sums])  # the one host sync (per device)
+        weights: dict[torch.device, torch.Tensor] = {}
+        sums = []
+        for i in large:
+            device = tensors[i].device
+            if device not in weights:
+                weights[device] = torch.arange(1, ROW_WORDS + 1, dtype=torch.int64, device=device)
+            sums.append(_column_checksum(tensors[i], weights[device]))
+        out[large] = torch.stack([s.cpu() for s in sums])  # the one host sync (per device)
     return out
 
 
@@ -170,39 +182,35 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _host_digests(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     flat = [_bytes(t) for t in tensors]
-    sizes = [f.numel() for f in flat]
-    by_device: dict[torch.device, list[int]] = {}
+    host: list[torch.Tensor] = list(flat)
+    on_device: dict[torch.device, list[int]] = {}
     for i, f in enumerate(flat):
-        by_device.setdefault(f.device, []).append(i)
-    host: list[torch.Tensor | None] = [None] * len(flat)
-    for device, members in by_device.items():
-        joined = torch.cat([flat[i] for i in members]) if device.type != "cpu" else None
+        if f.device.type != "cpu":
+            on_device.setdefault(f.device, []).append(i)
+    for members in on_device.values():
+        joined = torch.cat([flat[i] for i in members]).cpu()  # one copy per device, not one per tensor
         pos = 0
-        if joined is not None:
-            joined = joined.cpu()  # one copy per device, not one per tensor
         for i in members:
-            host[i] = flat[i] if joined is None else joined[pos : pos + sizes[i]]
-            pos += sizes[i]
+            host[i] = joined[pos : pos + flat[i].numel()]
+            pos += flat[i].numel()
     out = []
     for data in host:
-        digest = hashlib.blake2b(memoryview(data.numpy()), digest_size=16).digest()
+        digest = blake3.blake3(memoryview(data.numpy()).cast("B")).digest(16)
         out.append((int.from_bytes(digest[:8], "little", signed=True), int.from_bytes(digest[8:], "little", signed=True)))
     return out
 
 
-def _column_checksum(tensor: torch.Tensor) -> torch.Tensor:
+def _column_checksum(tensor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     flat = _bytes(tensor)
     if flat.data_ptr() % 8:
         flat = flat.clone()  # an int64 view needs 8-byte alignment; a view into a larger tensor may lack it
     nwords = flat.numel() // 8
     words = flat[: nwords * 8].view(torch.int64)
-    rows = nwords // ROW_WORDS
-    columns = torch.zeros(ROW_WORDS, dtype=torch.int64, device=flat.device)
-    if rows:
-        columns += words[: rows * ROW_WORDS].view(rows, ROW_WORDS).sum(0)
-    rest = words[rows * ROW_WORDS :]
-    columns[: rest.numel()] += rest
-    tail = flat[nwords * 8 :].to(torch.int64)
-    columns[: tail.numel()] += tail * 257  # the last < 8 bytes, kept apart from the words they share columns with
-    weights = torch.arange(1, ROW_WORDS + 1, dtype=torch.int64, device=flat.device)
+    rows, rest = divmod(nwords, ROW_WORDS)
+    columns = words[: rows * ROW_WORDS].view(rows, ROW_WORDS).sum(0)  # rows >= 1: the tensor is large
+    if rest:
+        columns[:rest] += words[rows * ROW_WORDS :]
+    tail = flat[nwords * 8 :]
+    if tail.numel():
+        columns[: tail.numel()] += tail.to(torch.int64) * 257  # the last < 8 bytes, apart from the words they share columns with
     return torch.stack([columns.sum(), (columns * weights).sum()])
