@@ -106,13 +106,17 @@ def _is_uuid(text: str) -> bool:
         return False
 
 
+# Where the memory tier's default directories are, one per working directory (default_memory_dir).
+DEFAULT_MEMORY_BASE = "/dev/shm/elastic_ddp"
+
+
 def default_memory_dir() -> str:
     """The memory tier's directory when ``checkpoint.memory_dir`` is empty: one per working directory
     under ``/dev/shm/elastic_ddp``. Agents on different machines each have their own ``/dev/shm``;
     agents started from different directories of one host (a test, a dev box) then keep separate
     memories too instead of finding each other's and turning the tier off."""
     where = hashlib.sha256(os.path.realpath(os.getcwd()).encode()).hexdigest()[:12]
-    return f"/dev/shm/elastic_ddp/{where}"
+    return f"{DEFAULT_MEMORY_BASE}/{where}"
 
 
 class RunConfig(Section):

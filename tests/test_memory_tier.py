@@ -497,6 +497,21 @@ def test_an_ended_runs_directory_is_removed_and_a_live_ones_is_kept(tmp_path):
     assert not t.store.path.exists()
 
 
+def test_the_default_directories_of_other_working_directories_are_cleaned_up_too(tmp_path):
+    # The default memory dirs share a parent, one per working directory: a run killed in one must
+    # not hold node memory until a run is started from that same directory again.
+    mine, other = tmp_path / "cwd-a", tmp_path / "cwd-b"
+    ended = NodeMemory(other, "ended", "2222222222222222")
+    ended.open()
+    ended.close()
+    live = NodeMemory(other, "live", "3333333333333333")
+    live.open()
+    assert NodeMemory(mine, "job", "0123456789abcdef").remove_stale_runs() == []  # its own directory only
+    assert NodeMemory(mine, "job", "0123456789abcdef").remove_stale_runs(siblings=True) == [ended.path]
+    assert live.path.exists()
+    live.close()
+
+
 def test_the_interval_follows_the_agreed_cost_and_step_time(tmp_path):
     state, _ = make_state(1)
     t = tier(tmp_path, every=0, overhead=0.02)

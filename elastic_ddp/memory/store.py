@@ -290,19 +290,30 @@ class NodeMemory:
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
-    def remove_stale_runs(self) -> list[Path]:
+    def remove_stale_runs(self, siblings: bool = False) -> list[Path]:
         """Delete other runs' directories under the memory dir that no live worker holds.
 
         The rule: a directory with a ``run.json`` of this format, owned by this user, whose lock no
         process holds (every worker that used it is gone) is stale -- its run ended without a
         normal finish, or was replaced by a run with other identity settings -- and takes node
         memory that this run needs. A directory another user owns, or one a live run holds, stays.
+        ``siblings``: look in the memory dir's sibling directories too (the default memory dirs, one
+        per working directory, share a parent: a run killed in one directory is cleaned up by the
+        next run started from any).
         """
         removed = []
-        try:
-            entries = list(self.root.iterdir())
-        except OSError:
-            return removed
+        roots = [self.root]
+        if siblings:
+            try:
+                roots += [p for p in self.root.parent.iterdir() if p != self.root and p.is_dir()]
+            except OSError:
+                pass
+        entries = []
+        for root in roots:
+            try:
+                entries += list(root.iterdir())
+            except OSError:
+                continue
         for entry in entries:
             if entry == self.path or not (entry / RUN_FILE).is_file():
                 continue

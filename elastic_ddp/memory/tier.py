@@ -40,12 +40,14 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from elastic_ddp.checkpoint.divergence import classify
+from elastic_ddp.config import DEFAULT_MEMORY_BASE
 from elastic_ddp.checkpoint.layout import plan
 from elastic_ddp.checkpoint.tree import TensorSpec, TreeError, flatten_named, leaf, path_text, unflatten
 from elastic_ddp.memory.copies import DeviceCopies
@@ -276,7 +278,7 @@ class MemoryTier:
         try:
             if self.local_rank == 0:
                 os.makedirs(self.memory_dir, exist_ok=True)
-                for path in self.store.remove_stale_runs():
+                for path in self.store.remove_stale_runs(siblings=self.store.root.parent == Path(DEFAULT_MEMORY_BASE)):
                     log.info("[%d/-] Removed the memory tier of an ended run: %s", self.rank, path)
             self.store.open()
             if self.local_rank == 0:
