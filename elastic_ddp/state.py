@@ -67,7 +67,8 @@ def check_stateful(name: str, obj: object) -> None:
     if not isinstance(obj, Stateful):
         raise TypeError(
             f"State {name!r} ({type(obj).__module__}.{type(obj).__qualname__}) has no state_dict() and "
-            "load_state_dict(); only such objects can be checkpointed. Give it those two methods (returning and "
+            "load_state_dict(); only such objects can be checkpointed (the protocol elastic_ddp.state.Stateful; "
+            "an nn.Module is taken as elastic_ddp.state.ModelState). Give it those two methods (returning and "
             "taking a dict of tensors and plain values), or wrap it in an object that has them."
         )
 

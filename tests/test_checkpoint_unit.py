@@ -707,3 +707,18 @@ def test_remove_all_deletes_every_checkpoint_and_a_fenced_group_is_refused(tmp_p
     assert not list(root.glob("step-*"))
     save_steps(current, model, opt, [1])
     assert [c.step for c in current.list()] == [1]
+
+
+def test_any_object_with_a_state_dict_registers_as_it_is_and_anything_else_is_refused_naming_the_protocol():
+    from torch.optim.swa_utils import AveragedModel
+
+    from elastic_ddp.state import as_stateful
+
+    model, opt = tiny()
+    ema = as_stateful("ema", AveragedModel(model, use_buffers=True))
+    assert isinstance(ema, ModelState) and "module.0.weight" in ema.state_dict() and "n_averaged" in ema.state_dict()
+    assert as_stateful("optim", opt) is opt  # another optimizer, as is (its own state_dict)
+    with pytest.raises(TypeError, match=r"'counts' \(builtins.dict\) has no state_dict\(\).*elastic_ddp.state.Stateful"):
+        as_stateful("counts", {"a": 1})
+    with pytest.raises(ValueError, match="State name 'a.b' is not allowed"):
+        as_stateful("a.b", opt)
