@@ -35,10 +35,14 @@ class TrainState:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def objects(self) -> dict:
-        """The model and optimizer as a checkpoint manager saves and loads them."""
+        """The model and optimizer as a run registers them with its checkpoint manager: DDP's
+        replicated parameters and optimizer state, which a save does not compare across ranks."""
         from elastic_ddp.state import ModelState, OptimizerState
 
-        return {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer)}
+        return {
+            "model": ModelState(self.model, replicated=True),
+            "optim": OptimizerState(self.model, self.optimizer, replicated=True),
+        }
 
     def plain_state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}

@@ -100,7 +100,7 @@ class Bench:
 
     def share(self) -> list[tuple[torch.Tensor, int, int]]:
         """This rank's share of the replicated state as the manager plans it: (tensor, start, stop)."""
-        snap = snapshot({n: o.state_dict() for n, o in self.state.objects().items()}, None)
+        snap = snapshot({n: o.state_dict() for n, o in self.state.objects().items()})
         layout = plan(snap.specs, range(self.world), files_per_writer=self.cfg.write_threads,
                       min_file_bytes=int(self.cfg.min_file_mb * (1 << 20)))  # fmt: skip
         return [(snap.tensors[p.tensor], p.start, p.stop) for f in layout.files_of(self.rank) for p in f.pieces]
