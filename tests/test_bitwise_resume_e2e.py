@@ -75,6 +75,6 @@ def test_a_run_stopped_at_20_and_resumed_ends_bitwise_equal_to_an_uninterrupted_
     if script == "batchnorm":
         for rank in range(ranks):
             final = [torch.load(tmp_path / n / f"final-rank{rank}.pt", weights_only=True) for n in ("whole", "resumed")]
-            for part in ("model", "ema", "counter"):
+            for part in ("model", "ema", "counter", "late"):
                 for key, value in final[0][part].items():
                     assert torch.equal(torch.as_tensor(final[1][part][key]), torch.as_tensor(value)), (rank, part, key)

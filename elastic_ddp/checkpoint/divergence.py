@@ -39,7 +39,7 @@ import torch
 
 from elastic_ddp.checkpoint.tree import Path, TensorSpec, flatten_named, path_text
 
-__all__ = ["AllMax", "Split", "classify", "describe", "tensor_checksums"]
+__all__ = ["AllMax", "Plan", "Split", "classify", "describe", "plan_of", "split_as", "stale", "tensor_checksums", "values"]
 
 # Tensors smaller than this are hashed on the host (BLAKE3, ~2 GB/s, ~1 us a call): a device column
 # sum is a few kernel launches per tensor (~0.1 ms on a CPU), which costs more below ~0.3 MB.
@@ -126,6 +126,104 @@ def classify(
     return Split(encoded, tuple(tensors), tuple(paths), per_rank, own, tuple(own_tensors))
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One classification, applied to later saves without a blocking collective (the memory tier's).
+
+    ``own``: the per-rank objects; ``per_rank``: the per-rank tensors (indices into the shared
+    tensors); ``compared``: the objects whose digests a check compares; ``checked``: the shared
+    tensors whose checksums it compares; ``structure``: the shared objects' paths and specs (and
+    what is compared) the plan was made for. A plan stays right while every rank's state has that
+    structure and no tensor or object it stores once starts to differ: :func:`values` and
+    :func:`stale` check exactly that, with one all-reduce that need not block the save.
+    """
+
+    own: tuple[str, ...]
+    per_rank: frozenset[int]
+    compared: tuple[str, ...]
+    checked: tuple[int, ...]
+    structure: tuple[Any, ...]
+
+    @property
+    def size(self) -> int:
+        """Length of :func:`values`: a structure flag, a digest per compared object, two checksums per checked tensor."""
+        return 1 + len(self.compared) + 2 * len(self.checked)
+
+
+def plan_of(split: Split, trees: Mapping[str, Any], synced: Callable[[Path], bool] | None) -> Plan:
+    """The plan ``split`` (of ``trees``, by :func:`classify`) stands for."""
+    compared = tuple(name for name in trees if synced is None or not synced((name,)))
+    checked = tuple(i for i, path in enumerate(split.paths) if synced is None or not synced(path))
+    return Plan(tuple(split.own), split.per_rank, compared, checked, _structure(split, checked))
+
+
+def _structure(split: Split, checked: tuple[int, ...]) -> tuple[Any, ...]:
+    return tuple(split.paths), tuple(TensorSpec.of(t) for t in split.tensors), tuple(split.own), checked
+
+
+def split_as(plan: Plan, trees: Mapping[str, Any], synced: Callable[[Path], bool] | None) -> Split | None:
+    """``trees`` split as ``plan`` decided (no collective), or None where this rank's state no longer
+    has the structure the plan was made for."""
+    shared = {name: tree for name, tree in trees.items() if name not in plan.own}
+    encoded, tensors, paths = flatten_named(shared)
+    own, own_tensors = {}, []
+    if plan.own:
+        own, own_tensors, _ = flatten_named({name: trees[name] for name in plan.own if name in trees})
+    split = Split(encoded, tuple(tensors), tuple(paths), plan.per_rank, own, tuple(own_tensors))
+    checked = tuple(i for i, path in enumerate(split.paths) if synced is None or not synced(path))
+    return split if _structure(split, checked) == plan.structure else None
+
+
+def values(plan: Plan, trees: Mapping[str, Any], split: Split | None, device: torch.device) -> torch.Tensor:
+    """This rank's side of a check of ``plan`` (``plan.size`` int64 on ``device``, without a host sync):
+    a flag set when ``split`` is None (another structure), the digests of the compared objects and
+    the checksums of the checked tensors. All-reduce ``[v, ~v]`` with MAX, then ask :func:`stale`."""
+    out = torch.zeros(plan.size, dtype=torch.int64, device=device)
+    if split is None:
+        out[0] = 1
+        return out
+    specs_of: dict[str, list[TensorSpec]] = {}
+    for tensor, path in zip(split.tensors, split.paths):
+        specs_of.setdefault(path[0], []).append(TensorSpec.of(tensor))
+    if split.own:
+        _, own_tensors, own_paths = flatten_named({name: trees[name] for name in split.own})
+        for tensor, path in zip(own_tensors, own_paths):
+            specs_of.setdefault(path[0], []).append(TensorSpec.of(tensor))
+    encoded = {**split.shared, **split.own}
+    digests = torch.tensor([_object_digest(encoded[name], specs_of.get(name, [])) for name in plan.compared],
+                           dtype=torch.int64)  # fmt: skip
+    _to(out[1 : 1 + len(plan.compared)], digests)
+    if plan.checked:
+        sums = device_checksums([split.tensors[i] for i in plan.checked], device)
+        out[1 + len(plan.compared) :] = sums.reshape(-1)
+    return out
+
+
+def stale(plan: Plan, high: list[int], low: list[int]) -> str | None:
+    """From a check's maxima ``high`` and minima ``low`` over the ranks: why ``plan`` no longer holds
+    -- a rank's state has another structure, or an object or tensor it stores once now differs
+    across ranks -- or None. (What it stores per rank may have become the same: that is still right.)"""
+    if high[0]:
+        return "a rank's state has another structure than at the last comparison"
+    for k, name in enumerate(plan.compared, start=1):
+        if high[k] != low[k] and name not in plan.own:
+            return f"the plain values of {name!r} now differ across ranks"
+    base = 1 + len(plan.compared)
+    for k, i in enumerate(plan.checked):
+        a = base + 2 * k
+        if (high[a] != low[a] or high[a + 1] != low[a + 1]) and i not in plan.per_rank:
+            return f"tensor {i} of the shared state now differs across ranks"
+    return None
+
+
+def _to(target: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy a CPU tensor into ``target`` without making the host wait for the device's queue."""
+    if target.device.type == "cpu":
+        target.copy_(host)
+    else:
+        target.copy_(host.pin_memory(), non_blocking=True)
+
+
 def _object_digest(encoded: Any, specs: list[TensorSpec]) -> int:
     # Tensor references are numbered across objects; an object's own numbering must not count, or
     # a per-rank object would make every object after it look different too.
@@ -173,6 +271,24 @@ def tensor_checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def device_checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """:func:`tensor_checksums`' checksums as a ``[len(tensors), 2]`` tensor on ``device``, computed
+    without a host sync: tensors on ``device`` are summed there whatever their size, tensors on the
+    host are hashed there and copied over asynchronously. (The checksums of a GPU tensor differ from
+    a CPU one's; every rank computes them alike.)"""
+    if device.type == "cpu":
+        return tensor_checksums(tensors)
+    out = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
+    on_host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+    if on_host:
+        out[on_host] = tensor_checksums([tensors[i] for i in on_host]).pin_memory().to(device, non_blocking=True)
+    here = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    if here:
+        weights = torch.arange(1, ROW_WORDS + 1, dtype=torch.int64, device=device)
+        out[here] = torch.stack([_column_checksum(tensors[i].to(device), weights) for i in here])
+    return out
+
+
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach()
     if not t.is_contiguous():
@@ -207,7 +323,7 @@ def _column_checksum(tensor: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     nwords = flat.numel() // 8
     words = flat[: nwords * 8].view(torch.int64)
     rows, rest = divmod(nwords, ROW_WORDS)
-    columns = words[: rows * ROW_WORDS].view(rows, ROW_WORDS).sum(0)  # rows >= 1: the tensor is large
+    columns = words[: rows * ROW_WORDS].view(rows, ROW_WORDS).sum(0)  # zeros when the tensor is under a row
     if rest:
         columns[:rest] += words[rows * ROW_WORDS :]
     tail = flat[nwords * 8 :]

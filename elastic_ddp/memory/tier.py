@@ -38,7 +38,7 @@ import socket
 import statistics
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_ddp.checkpoint.divergence import classify
+from elastic_ddp.checkpoint.divergence import Plan, classify, plan_of, split_as, stale, values
 from elastic_ddp.config import DEFAULT_MEMORY_BASE
 from elastic_ddp.checkpoint.layout import plan
 from elastic_ddp.checkpoint.tree import TensorSpec, TreeError, flatten_named, leaf, path_text, unflatten
@@ -255,6 +255,13 @@ class MemoryTier:
         cores = _cores_per_rank(local_world_size)
         self.read_threads = cores
         self.write_threads = 1 if device.type == "cpu" else max(1, min(4, cores // 2))
+        # What differs across ranks, decided at the first save and checked at every later one
+        # (elastic_ddp/checkpoint/divergence.py: Plan); a save the check finds stale is skipped.
+        self._split_plan: Plan | None = None
+        self._check_device = device if device.type == "cuda" else torch.device("cpu")
+        self._skipped: str | None = None
+        self._before: tuple[int, tuple[int, int] | None] = (0, None)
+        self.skipped_saves = 0
         self.failed: str | None = None  # why the tier stopped: set on every rank at the same step
         self._local_failure: str | None = None  # this rank's failed save, until the agreement stops the tier
         self.disabled: str | None = None  # why the tier turned itself off at the survey
@@ -457,21 +464,22 @@ class MemoryTier:
         trees: dict[str, Any] = {}
         if has_per_rank:
             if exact:
+                # This rank's own values: in the part it saved itself, read from its own node's memory.
                 record, data = own
-                section = data[_pieces_bytes(pieces[record.part], specs) :]
+                section, own_objects = data[_pieces_bytes(pieces[record.part], specs) :], record.own
             else:
-                part0 = held.get(0)
-                section_of_first = part0[_pieces_bytes(pieces[0], specs) :] if part0 is not None else None
-                section = torch.frombuffer(bytearray(self._broadcast_bytes(
-                    section_of_first.numpy().tobytes() if section_of_first is not None else None, ranks[0])), dtype=torch.uint8)  # fmt: skip
-                record = replace(PartRecord(step, 0, 1, 0, "", ""), rank=saved["rank"], own=saved["own"])
+                # The values of the rank that saved the holding node's first part, for every rank.
+                first = held[0][_pieces_bytes(pieces[0], specs) :].numpy().tobytes() if 0 in held else None
+                received = self._broadcast_bytes(first, ranks[0])
+                section = torch.frombuffer(bytearray(received), dtype=torch.uint8) if received else torch.empty(0, dtype=torch.uint8)
+                own_objects = saved["own"]
                 if self.rank == 0:
                     log.warning(
                         "[%d/%d] Not every rank holds its own part of step %d in node memory (another world size, or a "
                         "lost part): what differs across ranks is restored from rank %d's values on every rank, so it "
-                        "is not per-rank exact.", self.rank, step, step, record.rank,
+                        "is not per-rank exact.", self.rank, step, step, saved["rank"],
                     )  # fmt: skip
-            trees = _fill_per_rank(section, per_rank, specs, dests, record.own, templates)
+            trees = _fill_per_rank(section, per_rank, specs, dests, own_objects, templates)
         finish()
         trees.update({name: unflatten(index["state"][name], lambda i, _: dests[i], (name,), where="the memory tier")
                       for name in shared})  # fmt: skip
@@ -604,11 +612,27 @@ class MemoryTier:
         ok = self._wait_writer()
         self.waited_s = time.perf_counter() - started
         trees = _state_dicts(state)
-        # Collective, on every rank alike -- a rank whose last write failed too, until the per-step
-        # agreement turns the tier off everywhere: which tensors differ across ranks, so that each
-        # rank keeps its own values of those in its part instead of a share of them.
-        split = classify(trees, synced=synced_paths(state), all_max=self._all_max if self._group is not None else None)
-        if not ok or self._local_failure:
+        # What differs across ranks, so that each rank keeps its own values of those in its part
+        # instead of a share of them. Collective, on every rank alike (a rank whose last write failed
+        # too, until the per-step agreement turns the tier off everywhere): decided once, blocking,
+        # then checked at each save by one all-reduce that the save does not wait for -- its write
+        # does (see _start_check).
+        synced = synced_paths(state)
+        check = None
+        if self._split_plan is None or self._group is None:
+            split = classify(trees, synced=synced, all_max=self._all_max if self._group is not None else None)
+            if self._group is not None:
+                self._split_plan = plan_of(split, trees, synced)
+        else:
+            split = split_as(self._split_plan, trees, synced)
+            check = self._start_check(values(self._split_plan, trees, split, self._check_device))
+        self._before = (self._slot, self._previous)
+        if not ok or self._local_failure or split is None:
+            if check is not None:
+                # The check's verdict is everyone's: consumed in the background like a write's. With
+                # another structure here it says so, and every rank skips this save (see _write).
+                self._pending = self._executor().submit(self._write, self._slot, None, None, None, None, check)
+                self._previous, self._slot = (self._slot, step), 1 - self._slot
             return 0.0
         encoded, tensors, paths = split.shared, list(split.tensors), split.paths
         per_rank = tuple(sorted(split.per_rank))
@@ -656,9 +680,7 @@ class MemoryTier:
         own_objects = {"state": split.own, "tensors": [spec.to_json() for spec in own_specs]} if split.own else None
         record = PartRecord(step, self.local_rank, self.local_world_size, nbytes, "", digest, index, self.rank,
                             self.world_size, own_objects)  # fmt: skip
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memory-tier")
-        self._pending = self._pool.submit(self._write, slot, previous, record, self._buffer, copies)
+        self._pending = self._executor().submit(self._write, slot, previous, record, self._buffer, copies, check)
         self._previous, self._slot = (slot, step), 1 - slot
         self.saves += 1
         # On GPUs what the device-to-host copies cost the training stream, timed at the previous save.
@@ -693,19 +715,59 @@ class MemoryTier:
         self._views = (buffer, views)
         return [(source, target) for _, source, target in views]
 
-    def _write(self, slot: int, previous: tuple[int, int] | None, record: PartRecord, buffer: torch.Tensor,
-               copies: Any) -> None:  # fmt: skip
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memory-tier")
+        return self._pool
+
+    def _start_check(self, mine: torch.Tensor) -> Callable[[], str | None]:
+        """Start the all-reduce that checks the current split plan (``mine``: this rank's
+        :func:`~elastic_ddp.checkpoint.divergence.values`); returns the wait for its verdict (why the
+        plan no longer holds, or None), for the background write.
+
+        On a GPU it runs on the default (NCCL) group, the result copied to pinned host memory behind
+        it on the stream: the training loop never waits. On CPUs on the tier's gloo group.
+        """
+        plan, count = self._split_plan, mine.numel()
+        both = torch.cat([mine, ~mine])
+        if both.is_cuda:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True).wait()  # the stream waits, not the host
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            ready: Callable[[], Any] = done.synchronize
+        else:
+            ready = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group, async_op=True).wait
+            host = both
+
+        def verdict() -> str | None:
+            ready()
+            result = host.tolist()
+            return stale(plan, result[:count], [~v for v in result[count:]])
+
+        return verdict
+
+    def _write(self, slot: int, previous: tuple[int, int] | None, record: PartRecord | None,
+               buffer: torch.Tensor | None, copies: Any, check: Callable[[], str | None] | None) -> None:  # fmt: skip
         started, started_cpu = time.perf_counter(), time.thread_time()
         try:
-            self._write_part(slot, previous, record, buffer, copies)
+            if copies is not None:
+                copies.wait()
+            why = check() if check is not None else None
+            if why is not None:
+                # The split the part was staged with no longer holds: every rank sees the same verdict
+                # and skips this save; the next one decides anew.
+                self._skipped = why
+                return
+            if record is None:
+                return  # this rank could not stage (its last write failed): the agreement stops the tier
+            self._write_part(slot, previous, record, buffer)
         finally:
             self.write_cpu_s = time.thread_time() - started_cpu
             self.write_s = time.perf_counter() - started
 
-    def _write_part(self, slot: int, previous: tuple[int, int] | None, record: PartRecord, buffer: torch.Tensor,
-                    copies: Any) -> None:  # fmt: skip
-        if copies is not None:
-            copies.wait()
+    def _write_part(self, slot: int, previous: tuple[int, int] | None, record: PartRecord, buffer: torch.Tensor) -> None:
         # Overwrite this slot only once the other slot holds the previous state complete: every
         # local rank finished it. Until then this slot's older state is the node's only complete one.
         if previous is not None and not self.store.wait_complete(*previous, timeout_s=self.timeout_s):
@@ -729,6 +791,14 @@ class MemoryTier:
             log.error("[%d/-] A memory-tier save failed on this rank (%s); the tier stops on every rank at the next "
                       "agreed step, durable checkpoints go on.", self.rank, self._local_failure)  # fmt: skip
             return False
+        if self._skipped is not None:
+            # No rank wrote that save: the slots stay as they were, and the next save splits afresh.
+            log.info("[%d/-] A memory-tier save was skipped on every rank: %s; the next one compares the ranks "
+                     "again.", self.rank, self._skipped)  # fmt: skip
+            self._slot, self._previous = self._before
+            self._skipped, self._split_plan = None, None
+            self.skipped_saves += 1
+            return True
         # The save is complete: its stall (not yet replaced by the next save's) and its write's times.
         self._recent_costs.append(self.cost_s)
         self._recent_writes.append(self.write_s)

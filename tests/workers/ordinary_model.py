@@ -67,18 +67,33 @@ class Net(nn.Module):
 
 
 class SeenCounter:
-    """Samples this rank has trained on: a value that differs per rank (a Python int and a tensor)."""
+    """What this rank has trained on: values that differ per rank (Python ints and a tensor)."""
 
     def __init__(self) -> None:
         self.samples = 0
+        self.last_index = -1
         self.per_class = torch.zeros(10, dtype=torch.int64)
 
     def state_dict(self) -> dict:
-        return {"samples": self.samples, "per_class": self.per_class}
+        return {"samples": self.samples, "last_index": self.last_index, "per_class": self.per_class}
 
     def load_state_dict(self, state: dict) -> None:
-        self.samples = state["samples"]
+        self.samples, self.last_index = state["samples"], state["last_index"]
         self.per_class.copy_(state["per_class"])
+
+
+class LateStatistic:
+    """A running sum of this rank's first sample index from step 10 on: the same on every rank
+    before (zeros), different after -- like an EMA that starts late."""
+
+    def __init__(self) -> None:
+        self.total = torch.zeros(2)
+
+    def state_dict(self) -> dict:
+        return {"total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total.copy_(state["total"])
 
 
 def train(run: edp.Run) -> None:
@@ -87,8 +102,8 @@ def train(run: edp.Run) -> None:
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay), use_buffers=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-2, total_steps=run.cfg.train.max_steps)
-    counter = SeenCounter()
-    ddp_model = run.setup(model, optimizer, scheduler, ema=ema, counter=counter)
+    counter, late = SeenCounter(), LateStatistic()
+    ddp_model = run.setup(model, optimizer, scheduler, ema=ema, counter=counter, late=late)
     for step in run.steps(Digits(), collate_fn=pad_collate):
         for images, labels in step:
             step.backward(F.cross_entropy(ddp_model(images), labels))
@@ -99,9 +114,13 @@ def train(run: edp.Run) -> None:
         scheduler.step()
         optimizer.zero_grad()
         ema.update_parameters(model)
+        counter.last_index = step.indices[-1]
+        if step.number >= 10:
+            late.total += torch.tensor([float(step.indices[0]), 1.0])
         step.log(grad_norm=norm)
     if run.step == run.cfg.train.max_steps:
-        final = {"model": model.state_dict(), "ema": ema.state_dict(), "counter": counter.state_dict()}
+        final = {"model": model.state_dict(), "ema": ema.state_dict(), "counter": counter.state_dict(),
+                 "late": late.state_dict()}
         torch.save(final, f"{run.cfg.run.dir}/final-rank{run.rank}.pt")
 
 
