@@ -61,7 +61,8 @@ class Split:
     ``shared``: the encoded trees of the objects that are alike in structure and plain values, their
     tensor references indexing ``tensors`` (whose paths are ``paths``); ``per_rank``: the indices of
     those tensors whose values differ across ranks. ``own``: the encoded trees of the per-rank
-    objects, their references indexing ``own_tensors``.
+    objects, their references indexing ``own_tensors``. ``specs``: the dtype and shape of each of
+    ``tensors`` (taken once per save: every user of a split needs them).
     """
 
     shared: dict[str, Any]
@@ -70,6 +71,7 @@ class Split:
     per_rank: frozenset[int]
     own: dict[str, Any]
     own_tensors: tuple[torch.Tensor, ...]
+    specs: tuple[TensorSpec, ...] = ()
 
     @property
     def has_per_rank(self) -> bool:
@@ -104,11 +106,12 @@ def classify(
     """
     encoded, tensors, paths = flatten_named(trees)
     if all_max is None:
-        return Split(encoded, tuple(tensors), tuple(paths), frozenset(), {}, ())
+        return Split(encoded, tuple(tensors), tuple(paths), frozenset(), {}, (), tuple(TensorSpec.of(t) for t in tensors))
     names = list(encoded)
+    specs = [TensorSpec.of(t) for t in tensors]
     specs_of: dict[str, list[TensorSpec]] = {name: [] for name in names}
-    for tensor, path in zip(tensors, paths):
-        specs_of[path[0]].append(TensorSpec.of(tensor))
+    for spec, path in zip(specs, paths):
+        specs_of[path[0]].append(spec)
     compared = [name for name in names if synced is None or not synced((name,))]
     digests = [_object_digest(encoded[name], specs_of[name]) for name in compared]
     own_names = [name for name, differs in zip(compared, _differ(digests, all_max)) if differs]
@@ -117,13 +120,14 @@ def classify(
     if own_names:
         own, own_tensors, _ = flatten_named({name: trees[name] for name in own_names})
         encoded, tensors, paths = flatten_named({name: trees[name] for name in names if name not in own})
+        specs = [TensorSpec.of(t) for t in tensors]
     checked = [i for i, path in enumerate(paths) if synced is None or not synced(path)]
     per_rank: frozenset[int] = frozenset()
     if checked:
         sums = tensor_checksums([tensors[i] for i in checked])
         differs = _differ(sums.reshape(-1).tolist(), all_max)
         per_rank = frozenset(i for k, i in enumerate(checked) if differs[2 * k] or differs[2 * k + 1])
-    return Split(encoded, tuple(tensors), tuple(paths), per_rank, own, tuple(own_tensors))
+    return Split(encoded, tuple(tensors), tuple(paths), per_rank, own, tuple(own_tensors), tuple(specs))
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ def plan_of(split: Split, trees: Mapping[str, Any], synced: Callable[[Path], boo
 
 
 def _structure(split: Split, checked: tuple[int, ...]) -> tuple[Any, ...]:
-    return tuple(split.paths), tuple(TensorSpec.of(t) for t in split.tensors), tuple(split.own), checked
+    return split.paths, split.specs, tuple(split.own), checked
 
 
 def split_as(plan: Plan, trees: Mapping[str, Any], synced: Callable[[Path], bool] | None) -> Split | None:
@@ -169,7 +173,8 @@ def split_as(plan: Plan, trees: Mapping[str, Any], synced: Callable[[Path], bool
     own, own_tensors = {}, []
     if plan.own:
         own, own_tensors, _ = flatten_named({name: trees[name] for name in plan.own if name in trees})
-    split = Split(encoded, tuple(tensors), tuple(paths), plan.per_rank, own, tuple(own_tensors))
+    split = Split(encoded, tuple(tensors), tuple(paths), plan.per_rank, own, tuple(own_tensors),
+                  tuple(TensorSpec.of(t) for t in tensors))  # fmt: skip
     checked = tuple(i for i, path in enumerate(split.paths) if synced is None or not synced(path))
     return split if _structure(split, checked) == plan.structure else None
 
@@ -182,9 +187,11 @@ def values(plan: Plan, trees: Mapping[str, Any], split: Split | None, device: to
     if split is None:
         out[0] = 1
         return out
+    compared = set(plan.compared)
     specs_of: dict[str, list[TensorSpec]] = {}
-    for tensor, path in zip(split.tensors, split.paths):
-        specs_of.setdefault(path[0], []).append(TensorSpec.of(tensor))
+    for spec, path in zip(split.specs, split.paths):
+        if path[0] in compared:
+            specs_of.setdefault(path[0], []).append(spec)
     if split.own:
         _, own_tensors, own_paths = flatten_named({name: trees[name] for name in split.own})
         for tensor, path in zip(own_tensors, own_paths):

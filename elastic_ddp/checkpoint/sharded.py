@@ -78,7 +78,7 @@ def snapshot(
     Raises :class:`TreeError` naming the path of a value a checkpoint cannot hold.
     """
     split = classify(state, synced=synced, all_max=all_max)
-    specs = tuple(TensorSpec.of(t) for t in split.tensors)
+    specs = split.specs
     per_rank = tuple(sorted(split.per_rank))
     digest = hashlib.sha256(
         json.dumps([[[path_text(p), s.to_json()] for p, s in zip(split.paths, specs)], per_rank, sorted(split.own)]).encode()

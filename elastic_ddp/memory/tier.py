@@ -636,7 +636,7 @@ class MemoryTier:
             return 0.0
         encoded, tensors, paths = split.shared, list(split.tensors), split.paths
         per_rank = tuple(sorted(split.per_rank))
-        specs = tuple(TensorSpec.of(t) for t in tensors)
+        specs = split.specs
         own_specs = tuple(TensorSpec.of(t) for t in split.own_tensors)
         key = (specs, per_rank, own_specs)
         if self._plan is None or self._plan[0] != key:
