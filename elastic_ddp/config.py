@@ -484,12 +484,7 @@ def describe(config: type[Config] | Config = Config, prog: str | None = None, wi
     (``<run.root>/<run.name>/checkpoints``), not a path resolved now; storage options show their
     keys only. ``prog``: the script's name in the usage line (default: ``sys.argv[0]``'s).
     """
-    if isinstance(config, Config):
-        cls, given = type(config), _values_of(config)
-    elif isinstance(config, type) and issubclass(config, Config):
-        cls, given = config, {}
-    else:
-        raise TypeError(f"config must be a Config subclass or instance, not {config!r}.")
+    cls, given = _class_and_values(config)
     if prog is None:
         prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "script.py"
     out = [
@@ -678,12 +673,7 @@ def load_config(argv: list[str] | None = None, config: type[Config] | Config = C
     ``--section.field=value`` items. Raises :class:`ConfigError` naming the field (or file), the
     value and what is allowed.
     """
-    if isinstance(config, Config):
-        cls, data = type(config), _values_of(config)
-    elif isinstance(config, type) and issubclass(config, Config):
-        cls, data = config, {}
-    else:
-        raise TypeError(f"config must be a Config subclass or instance, not {config!r}.")
+    cls, data = _class_and_values(config)
     argv = list(argv or [])
     overrides: list[str] = []
     config_file = ""
@@ -726,6 +716,15 @@ _DERIVED_HELP = {
     ("logging", "tensorboard_dir"): "<run.root>/<run.name>/tensorboard",
     ("checkpoint", "memory_dir"): "/dev/shm/elastic_ddp/<a hash of the working directory>",
 }
+
+
+def _class_and_values(config: type[Config] | Config) -> tuple[type[Config], dict[str, Any]]:
+    """The Config class of ``config`` (a subclass or an instance) and the values an instance sets."""
+    if isinstance(config, Config):
+        return type(config), _values_of(config)
+    if isinstance(config, type) and issubclass(config, Config):
+        return config, {}
+    raise TypeError(f"config must be a Config subclass or instance, not {config!r}.")
 
 
 def _values_of(config: Config) -> dict[str, Any]:

@@ -31,11 +31,10 @@ from elastic_ddp.checkpoint.catalog import (
     read_index,
     verify_checkpoint,
 )
-from elastic_ddp.checkpoint.divergence import describe
 from elastic_ddp.checkpoint.index import Index, IndexFormatError
-from elastic_ddp.checkpoint.sharded import read_state, tensor_paths
+from elastic_ddp.checkpoint.sharded import describe_per_rank, read_state
 from elastic_ddp.checkpoint.storage import Storage, StorageError, normalize_url
-from elastic_ddp.checkpoint.tree import TreeError, path_text
+from elastic_ddp.checkpoint.tree import TreeError
 
 # The state a training run registers its model under; export writes it unless told otherwise.
 MODEL_STATE = "model"
@@ -169,7 +168,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if failed:
         return failed
     try:
-        per_rank = _per_rank_parts(index, names)
+        per_rank = describe_per_rank(index, names)
         # Only the files holding the objects' pieces are read (each checked as it streams in).
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             states = read_state(storage, info.url, index, mf.file_records(info.manifest), names, pool, rank=args.rank)
@@ -257,14 +256,6 @@ def _check_out(out: str, *, to_dir: bool) -> str | None:
     if not to_dir and os.path.isdir(out):
         return f"{out} is a directory; exporting one object writes a file (--all or several --object write a directory)."
     return None
-
-
-def _per_rank_parts(index: Index, names: list[str]) -> str:
-    """What of the objects ``names`` the checkpoint holds per rank, in words ("" if nothing)."""
-    paths = tensor_paths(index, [name for name in names if name in index.state])
-    tensors = [path_text(paths[t]) for t in index.per_rank if t in paths]
-    objects = [name for name in names if name in index.own_names]
-    return describe(tensors, objects) if tensors or objects else ""
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -36,10 +36,11 @@ from typing import Any
 
 import blake3
 import torch
+import torch.distributed as dist
 
-from elastic_ddp.checkpoint.tree import Path, TensorSpec, flatten_named, path_text
+from elastic_ddp.checkpoint.tree import Path, TensorSpec, flatten_named
 
-__all__ = ["AllMax", "Plan", "Split", "classify", "describe", "plan_of", "split_as", "stale", "tensor_checksums", "values"]
+__all__ = ["AllMax", "Plan", "all_max_over", "Split", "classify", "describe", "plan_of", "split_as", "stale", "tensor_checksums", "values"]
 
 # Tensors smaller than this are hashed on the host (BLAKE3, ~2 GB/s, ~1 us a call): a device column
 # sum is a few kernel launches per tensor (~0.1 ms on a CPU), which costs more below ~0.3 MB.
@@ -50,6 +51,18 @@ ROW_WORDS = 2048
 
 AllMax = Callable[[torch.Tensor], torch.Tensor]
 """Element-wise maximum of an int64 CPU vector over every rank (a collective); returns a CPU vector."""
+
+def all_max_over(group: Any, device: torch.device) -> AllMax:
+    """:data:`AllMax` as a MAX all-reduce on ``group`` (None: the default group) with the vector on
+    ``device`` (where the group's backend wants it: the GPU for NCCL)."""
+
+    def all_max(values: torch.Tensor) -> torch.Tensor:
+        box = values.to(device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+        return box.cpu()
+
+    return all_max
+
 
 _REF = re.compile(r'\{"tensor":\s*\d+\}')
 
@@ -77,20 +90,16 @@ class Split:
     def has_per_rank(self) -> bool:
         return bool(self.per_rank or self.own)
 
-    def describe(self) -> str:
-        """The per-rank parts in words, for messages."""
-        return describe([path_text(self.paths[i]) for i in sorted(self.per_rank)], list(self.own))
-
 
 def describe(tensors: list[str], objects: list[str], limit: int = 6) -> str:
-    """Per-rank parts in words: ``"ema.bn.running_mean, ... (12 tensors); object 'counter'"``."""
+    """Per-rank parts in words: ``"ema.bn.running_mean, ... (12 tensors); object 'counter'"`` ("" for none)."""
     parts = []
     if tensors:
         shown = ", ".join(tensors[:limit]) + (", ..." if len(tensors) > limit else "")
         parts.append(f"{shown} ({len(tensors)} tensor{'s' if len(tensors) != 1 else ''})")
     if objects:
         parts.append("object" + ("s " if len(objects) > 1 else " ") + ", ".join(repr(n) for n in objects))
-    return "; ".join(parts) or "nothing"
+    return "; ".join(parts)
 
 
 def classify(

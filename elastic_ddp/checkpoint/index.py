@@ -65,19 +65,9 @@ class IndexFile:
             pos += (p.stop - p.start) * specs[p.tensor].itemsize
         return out
 
-    def rank_offsets(self, specs: Sequence[TensorSpec], per_rank: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Byte offsets in the file of this rank's values of the ``per_rank`` tensors, and of its
-        per-rank objects' tensors (both after the pieces)."""
-        pos = sum((p.stop - p.start) * specs[p.tensor].itemsize for p in self.pieces)
-        shared = []
-        for t in per_rank:
-            shared.append(pos)
-            pos += specs[t].nbytes
-        own = []
-        for spec in self.rank_state.tensors if self.rank_state else ():
-            own.append(pos)
-            pos += spec.nbytes
-        return shared, own
+    def pieces_bytes(self, specs: Sequence[TensorSpec]) -> int:
+        """Bytes of the pieces: where a rank's own values start in its file."""
+        return sum((p.stop - p.start) * specs[p.tensor].itemsize for p in self.pieces)
 
 
 @dataclass(frozen=True)

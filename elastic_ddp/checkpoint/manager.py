@@ -68,7 +68,7 @@ from elastic_ddp.checkpoint.errors import CheckpointError, CheckpointVerificatio
 from elastic_ddp.checkpoint.exchange import Transport, distribute
 from elastic_ddp.checkpoint.faults import fault_point
 from elastic_ddp.checkpoint.layout import assign_holders
-from elastic_ddp.checkpoint.divergence import AllMax
+from elastic_ddp.checkpoint.divergence import AllMax, all_max_over
 from elastic_ddp.checkpoint.sharded import (
     ShardWriter,
     Snapshot,
@@ -76,9 +76,8 @@ from elastic_ddp.checkpoint.sharded import (
     describe_per_rank,
     destinations,
     files_to_read,
-    fill_per_rank,
     read_files,
-    restore_own,
+    restore_rank_values,
     restore_tree,
     snapshot,
     write_files,
@@ -704,10 +703,11 @@ class CheckpointManager:
         own: dict[str, Any] = {}
         if held.same_size and index.has_per_rank:
             # This rank's own values: in the file it wrote, which it read itself (no collective).
-            mine = held.buffers[index.rank_file(self.rank).name]
+            file = index.rank_file(self.rank)
+            section = held.buffers[file.name][file.pieces_bytes(index.tensors) :]
             try:
-                fill_per_rank(index, self.rank, mine, dests)
-                own = restore_own(index, self.rank, mine, {n: templates[n] for n in templates if n in own_names})
+                own = restore_rank_values(section, index.per_rank, index.tensors, dests, file.rank_state.state,
+                                          file.rank_state.tensors, templates, "index.json")  # fmt: skip
             except TreeError as exc:
                 raise CheckpointError(f"Checkpoint {info.url!r}: this rank's own state cannot be restored: {exc}") from None
         finish()
@@ -737,13 +737,7 @@ class CheckpointManager:
         if not self._distributed or self.world_size == 1:
             return None
         transport = self._transport()
-
-        def all_max(values: torch.Tensor) -> torch.Tensor:
-            box = values.to(transport.device)
-            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=transport.group)
-            return box.cpu()
-
-        return all_max
+        return all_max_over(transport.group, transport.device)
 
     def _transport(self) -> Transport:
         """NCCL with buffers on this rank's GPU when the group has it, else the manager's gloo group."""

@@ -15,7 +15,7 @@ Reading (each rank that holds files; then exchange.distribute to the others):
     held = read_files(storage, dir_url, files_to_read, file_records(manifest), pool)  # verified as read
     dests, finish = destinations(index, names, templates)  # where each wanted tensor goes
     exchange.distribute(index, holders, held, dests, rank, transport)  # the tensors stored once
-    fill_per_rank(index, rank, held[own file], dests)      # this rank's own values (same world size)
+    restore_rank_values(held[own file][after its pieces:], ...)  # this rank's own values (same world size)
     finish()
     trees = {name: restore_tree(index, name, dests)}       # then obj.load_state_dict(trees[name])
     # At another world size: index.as_shared(0) first -- rank 0's per-rank values, for everyone.
@@ -52,7 +52,7 @@ class Snapshot:
     ``own_state``/``own_tensors``: this rank's per-rank objects (see
     :mod:`~elastic_ddp.checkpoint.divergence`). ``digest`` covers the shared tensors' paths, dtypes
     and shapes and what is per-rank: equal on every rank when they saved alike (the leader refuses
-    to commit otherwise). ``described``: the per-rank parts in words.
+    to commit otherwise).
     """
 
     state: dict[str, Any]
@@ -62,7 +62,6 @@ class Snapshot:
     own_state: dict[str, Any]
     own_tensors: tuple[torch.Tensor, ...]
     digest: str
-    described: str = ""
 
     @property
     def has_per_rank(self) -> bool:
@@ -83,8 +82,7 @@ def snapshot(
     digest = hashlib.sha256(
         json.dumps([[[path_text(p), s.to_json()] for p, s in zip(split.paths, specs)], per_rank, sorted(split.own)]).encode()
     ).hexdigest()
-    described = split.describe() if split.has_per_rank else ""
-    return Snapshot(split.shared, split.tensors, specs, per_rank, split.own, split.own_tensors, digest, described)
+    return Snapshot(split.shared, split.tensors, specs, per_rank, split.own, split.own_tensors, digest)
 
 
 @dataclass(frozen=True)
@@ -243,10 +241,13 @@ def destinations(
     return dests, finish
 
 
-def describe_per_rank(index: Index) -> str:
-    """What an index holds per rank, in words (for messages)."""
-    paths = tensor_paths(index, index.state)
-    return describe([path_text(paths[t]) for t in index.per_rank if t in paths], index.own_names)
+def describe_per_rank(index: Index, names: Iterable[str] | None = None) -> str:
+    """What an index holds per rank (of the objects ``names``, default all), in words for messages;
+    "" when nothing."""
+    names = list(index.state) + index.own_names if names is None else list(names)
+    paths = tensor_paths(index, [name for name in names if name in index.state])
+    objects = [name for name in names if name in index.own_names]
+    return describe([path_text(paths[t]) for t in index.per_rank if t in paths], objects)
 
 
 def restore_tree(index: Index, name: str, dests: Mapping[int, torch.Tensor]) -> Any:
@@ -254,40 +255,38 @@ def restore_tree(index: Index, name: str, dests: Mapping[int, torch.Tensor]) -> 
     return unflatten(index.state[name], lambda i, _: dests[i], (name,), where="index.json")
 
 
-def fill_per_rank(index: Index, rank: int, held: torch.Tensor, dests: Mapping[int, torch.Tensor]) -> None:
-    """Copy rank ``rank``'s own values of the index's per-rank tensors from its file's bytes ``held``
-    into their destinations (a load at the saving world size: every rank restores its own)."""
-    file = index.rank_file(rank)
-    if file is None:
-        raise TreeError(f"The checkpoint holds no per-rank entry of rank {rank}.")
-    offsets, _ = file.rank_offsets(index.tensors, index.per_rank)
-    for t, off in zip(index.per_rank, offsets):
+def restore_rank_values(
+    section: torch.Tensor, per_rank: Sequence[int], specs: Sequence[TensorSpec], dests: Mapping[int, torch.Tensor],
+    own_state: Mapping[str, Any], own_specs: Sequence[TensorSpec], templates: Mapping[str, Any], where: str,
+) -> dict[str, Any]:  # fmt: skip
+    """From one rank's per-rank bytes ``section`` -- its values of the ``per_rank`` tensors (of
+    ``specs``), then its per-rank objects' tensors (``own_specs``), back to back, as a durable file
+    and a memory-tier part both hold them after their pieces -- fill those tensors' ``dests`` and
+    return the per-rank objects' trees (``own_state``, those in ``templates``), their tensors loaded
+    into the templates' own where they fit. ``where`` names the source in messages."""
+    pos = 0
+    for t in per_rank:
+        size = specs[t].nbytes
         if t in dests:
-            view = byte_view(dests[t], 0, dests[t].numel())
-            view.copy_(held[off : off + view.numel()])
-
-
-def restore_own(index: Index, rank: int, held: torch.Tensor, templates: Mapping[str, Any]) -> dict[str, Any]:
-    """Rank ``rank``'s per-rank objects from its file's bytes ``held`` (into the templates' tensors
-    where they fit), by name."""
-    file = index.rank_file(rank)
-    if file is None or file.rank_state is None:
-        raise TreeError(f"The checkpoint holds no per-rank entry of rank {rank}.")
-    entry = file.rank_state
-    _, offsets = file.rank_offsets(index.tensors, index.per_rank)
+            byte_view(dests[t], 0, dests[t].numel()).copy_(section[pos : pos + size])
+        pos += size
+    offsets = []
+    for spec in own_specs:
+        offsets.append(pos)
+        pos += spec.nbytes
 
     def tensor(i: int, path: Path) -> torch.Tensor:
-        if not 0 <= i < len(entry.tensors):
-            raise TreeError(f"Per-rank tensor {i} at {path_text(path)!r} is not in the index.")
-        spec = entry.tensors[i]
+        if not 0 <= i < len(own_specs):
+            raise TreeError(f"Per-rank tensor {i} at {path_text(path)!r} is not in {where}.")
+        spec = own_specs[i]
         target = leaf(templates.get(path[0]), path[1:])
         fits = isinstance(target, torch.Tensor) and target.dtype == spec.dtype and tuple(target.shape) == spec.shape
         out = target.detach() if fits and target.is_contiguous() else torch.empty(spec.shape, dtype=spec.dtype)
         with torch.no_grad():
-            byte_view(out, 0, out.numel()).copy_(held[offsets[i] : offsets[i] + spec.nbytes])
+            byte_view(out, 0, out.numel()).copy_(section[offsets[i] : offsets[i] + spec.nbytes])
         return out
 
-    return {name: unflatten(entry.state[name], tensor, (name,), where="index.json") for name in templates if name in entry.state}
+    return {name: unflatten(tree, tensor, (name,), where=where) for name, tree in own_state.items() if name in templates}
 
 
 def read_state(

@@ -46,9 +46,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_ddp.checkpoint.divergence import Plan, classify, plan_of, split_as, stale, values
+from elastic_ddp.checkpoint.divergence import Plan, all_max_over, classify, plan_of, split_as, stale, values
 from elastic_ddp.config import DEFAULT_MEMORY_BASE
 from elastic_ddp.checkpoint.layout import plan
+from elastic_ddp.checkpoint.sharded import restore_rank_values
 from elastic_ddp.checkpoint.tree import TensorSpec, TreeError, flatten_named, leaf, path_text, unflatten
 from elastic_ddp.memory.copies import DeviceCopies
 from elastic_ddp.memory.policy import Candidate, background_cost, interval
@@ -373,12 +374,6 @@ class MemoryTier:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._group)
         return int(agreed.item())
 
-    def _all_max(self, values: torch.Tensor) -> torch.Tensor:
-        """Collective on the default group (NCCL on GPUs): the element-wise maximum of an int64 vector."""
-        box = values.to(self.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return box.cpu()
-
     def _all_ok(self, ok: bool) -> bool:
         return bool(self._all_min(int(ok)))
 
@@ -479,7 +474,9 @@ class MemoryTier:
                         "lost part): what differs across ranks is restored from rank %d's values on every rank, so it "
                         "is not per-rank exact.", self.rank, step, step, saved["rank"],
                     )  # fmt: skip
-            trees = _fill_per_rank(section, per_rank, specs, dests, own_objects, templates)
+            own_specs = [TensorSpec.from_json(x, "the memory tier's per-rank objects") for x in (own_objects or {}).get("tensors", [])]
+            trees = restore_rank_values(section, per_rank, specs, dests, (own_objects or {}).get("state", {}), own_specs,
+                                        templates, "the memory tier")  # fmt: skip
         finish()
         trees.update({name: unflatten(index["state"][name], lambda i, _: dests[i], (name,), where="the memory tier")
                       for name in shared})  # fmt: skip
@@ -620,7 +617,9 @@ class MemoryTier:
         synced = synced_paths(state)
         check = None
         if self._split_plan is None or self._group is None:
-            split = classify(trees, synced=synced, all_max=self._all_max if self._group is not None else None)
+            # On the default group (NCCL on GPUs), where the vector lives on this rank's device.
+            all_max = all_max_over(None, self.device) if self._group is not None else None
+            split = classify(trees, synced=synced, all_max=all_max)
             if self._group is not None:
                 self._split_plan = plan_of(split, trees, synced)
         else:
@@ -869,40 +868,6 @@ def _destinations(
 
 def _pieces_bytes(pieces: list[tuple[int, int, int]], specs: list[TensorSpec]) -> int:
     return sum((b - a) * specs[t].itemsize for t, a, b in pieces)
-
-
-def _fill_per_rank(
-    section: torch.Tensor, per_rank: list[int], specs: list[TensorSpec], dests: Mapping[int, torch.Tensor],
-    own: dict[str, Any] | None, templates: Mapping[str, Any],
-) -> dict[str, Any]:  # fmt: skip
-    """From one rank's per-rank bytes ``section`` (its values of the ``per_rank`` tensors, then its
-    per-rank objects' tensors): fill those tensors' destinations, and return the per-rank objects'
-    trees (``own``: their encoded trees and tensor specs as saved)."""
-    pos = 0
-    for t in per_rank:
-        size = specs[t].nbytes
-        if t in dests:
-            _byte_range(dests[t], 0, dests[t].numel()).copy_(section[pos : pos + size])
-        pos += size
-    if not own:
-        return {}
-    own_specs = [TensorSpec.from_json(x, "the memory tier's per-rank objects") for x in own["tensors"]]
-    offsets = []
-    for spec in own_specs:
-        offsets.append(pos)
-        pos += spec.nbytes
-
-    def tensor(i: int, path: tuple) -> torch.Tensor:
-        spec = own_specs[i]
-        target = leaf(templates.get(path[0]), path[1:])
-        fits = isinstance(target, torch.Tensor) and target.dtype == spec.dtype and tuple(target.shape) == spec.shape
-        out = target.detach() if fits and target.is_contiguous() else torch.empty(spec.shape, dtype=spec.dtype)
-        with torch.no_grad():
-            _byte_range(out, 0, out.numel()).copy_(section[offsets[i] : offsets[i] + spec.nbytes])
-        return out
-
-    return {name: unflatten(tree, tensor, (name,), where="the memory tier") for name, tree in own["state"].items()
-            if name in templates}  # fmt: skip
 
 
 def _per_rank_of(found: Any) -> bool:
