@@ -11,6 +11,8 @@ import fcntl
 import gc
 import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -711,3 +713,22 @@ def test_on_by_default_a_node_without_room_turns_the_tier_off_in_one_line_instea
     assert "only 0.00 MiB (1,000 bytes) is free" in t.disabled and "memory tier is off" in t.disabled
     assert "--shm-size" in t.disabled and "memory_overhead=0" in t.disabled
     assert [r.message for r in caplog.records if "memory tier is off" in r.message] == [f"[0/-] {t.disabled}"]
+
+
+def test_a_run_whose_agent_restarts_its_workers_is_not_taken_for_ended(tmp_path, monkeypatch):
+    # Between a worker's death and its restart no worker of the run holds the lock: another run
+    # started on the host meanwhile must not delete the state the restart is about to resume.
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+        monkeypatch.setattr(os, "getppid", lambda: agent.pid)
+        restarting = NodeMemory(tmp_path, "restarting", "4444444444444444")
+        restarting.open()
+        restarting.close()  # its workers are gone; their agent lives
+        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+        other = NodeMemory(tmp_path, "other", "0123456789abcdef")
+        assert other.remove_stale_runs() == [] and restarting.path.exists()
+    finally:
+        agent.kill()
+        agent.wait()
+    assert other.remove_stale_runs() == [restarting.path]

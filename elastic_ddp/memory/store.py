@@ -4,6 +4,9 @@ Layout (``<memory_dir>/<run name>-<identity digest>/``)::
 
     run.json                 which run this is (name, identity digest, owner uid)
     lock                     every live worker of the run on this node holds a shared flock on it
+    agents/<pid>-<start>     the torchrun agents whose workers used it: between a worker's death and
+                             its restart no worker holds the lock, and the agent's mark keeps another
+                             run started on this host meanwhile from taking the directory for stale
     last-step                8 bytes: the last step this node's local rank 0 completed
     slot-0/part-00000.bin    local rank 0's share of a state: raw tensor bytes, back to back, then
                              that rank's own values of what differs across ranks (per-rank tensors,
@@ -62,6 +65,7 @@ FORMAT = 3
 SLOTS = 2
 RUN_FILE = "run.json"
 LOCK_FILE = "lock"
+AGENTS_DIR = "agents"
 LAST_STEP_FILE = "last-step"
 # Bytes read or written per system call: large enough for memory speed, small enough to hash
 # in cache-friendly pieces.
@@ -278,6 +282,11 @@ class NodeMemory:
         if self._lock_fd is None:
             self._lock_fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # started by a torchrun agent: its parent
+            agent = _process_mark(os.getppid())
+            if agent:
+                (self.path / AGENTS_DIR).mkdir(exist_ok=True)
+                (self.path / AGENTS_DIR / agent).touch()
 
     def close(self) -> None:
         for fd in (self._last_step_fd, self._lock_fd):
@@ -294,9 +303,11 @@ class NodeMemory:
         """Delete other runs' directories under the memory dir that no live worker holds.
 
         The rule: a directory with a ``run.json`` of this format, owned by this user, whose lock no
-        process holds (every worker that used it is gone) is stale -- its run ended without a
-        normal finish, or was replaced by a run with other identity settings -- and takes node
-        memory that this run needs. A directory another user owns, or one a live run holds, stays.
+        process holds (every worker that used it is gone) and whose torchrun agents are all gone
+        too (an agent restarting its workers holds no lock for a few seconds) is stale -- its run
+        ended without a normal finish, or was replaced by a run with other identity settings -- and
+        takes node memory that this run needs. A directory another user owns, or one a live run
+        holds, stays.
         ``siblings``: look in the memory dir's sibling directories too (the default memory dirs, one
         per working directory, share a parent: a run killed in one directory is cleaned up by the
         next run started from any).
@@ -315,7 +326,7 @@ class NodeMemory:
             except OSError:
                 continue
         for entry in entries:
-            if entry == self.path or not (entry / RUN_FILE).is_file():
+            if entry == self.path or not (entry / RUN_FILE).is_file() or _agent_alive(entry):
                 continue
             try:
                 if entry.stat().st_uid != os.getuid():
@@ -476,3 +487,25 @@ class NodeMemory:
                     path.unlink()
         with contextlib.suppress(FileNotFoundError):
             (self.path / LAST_STEP_FILE).unlink()
+
+
+def _process_mark(pid: int) -> str | None:
+    """``<pid>-<start time>`` of a live process (Linux ``/proc``), None when it is gone or unknown.
+
+    The start time (clock ticks since boot) tells a reused pid from the process that had it.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return f"{pid}-{int(fields[19])}"  # field 22 of stat(5); the first two (pid, comm) are cut off
+
+
+def _agent_alive(run_path: Path) -> bool:
+    """Whether a torchrun agent whose workers used ``run_path`` still runs (it may restart them)."""
+    try:
+        marks = [entry.name for entry in (run_path / AGENTS_DIR).iterdir()]
+    except OSError:
+        return False
+    return any(_process_mark(int(mark.split("-", 1)[0])) == mark for mark in marks if mark.split("-", 1)[0].isdigit())
