@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,6 +31,7 @@ ENV_MASTER_PORT = "MASTER_PORT"
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
 ENV_GROUP_RANK = "GROUP_RANK"
+ENV_GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"  # nodes (agents) in the worker group
 ENV_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 # Set by this package's rendezvous handler in the agent, inherited by its workers.
 ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"
@@ -61,6 +63,42 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def attempt_id(environ: Mapping[str, str] | None = None) -> str:
+    """The id of this worker's attempt: the same string on every rank of one worker group (one
+    rendezvous round), another one for every other group. ``environ`` defaults to ``os.environ``.
+
+    The step ledger (:mod:`elastic_ddp.data.ledger`) and the failure report
+    (:mod:`elastic_ddp.failures`) name attempts by it. torchrun's ``TORCHELASTIC_RESTART_COUNT``
+    cannot serve across nodes: each agent counts its own restarts (a failure counts on the failed
+    node only, a membership change on none, a node that joined later or replaced another has counted
+    fewer), so the ranks of one group carry different counts. The id is, by what is available:
+
+    * ``"<MASTER_ADDR>:<MASTER_PORT>/round-<N>"`` under this package's etcd handler, which exports
+      the round to the workers (``ELASTIC_DDP_RDZV_ROUND``). Round numbers only grow; the round's
+      store address (which every agent reads from the round's rendezvous) tells the rounds of
+      another etcd apart.
+    * ``"<MASTER_ADDR>:<MASTER_PORT>"`` with another rendezvous over several nodes
+      (``GROUP_WORLD_SIZE`` > 1, e.g. ``c10d``): the worker store of the round's rank-0 worker, a
+      new one per round where this package is installed
+      (:func:`elastic_ddp.rendezvous.plugin._per_round_worker_store`). A later round may be given the
+      same port again; :func:`elastic_ddp.data.ledger.read_ledger` tells such attempts apart.
+    * ``"<MASTER_ADDR>:<MASTER_PORT>/<TORCHELASTIC_RESTART_COUNT>"`` on one node (``--standalone``,
+      a script run without torchrun): one agent's count numbers its groups. Ledgers and failure
+      records written before the round was used have this form on every node.
+
+    Unset variables read as ``local``, ``0`` and ``0``.
+    """
+    env = os.environ if environ is None else environ
+    store = f"{env.get(ENV_MASTER_ADDR, 'local')}:{env.get(ENV_MASTER_PORT, '0')}"
+    round_ = env.get(ENV_RDZV_ROUND, "")
+    if round_:
+        return f"{store}/round-{round_}"
+    nodes = env.get(ENV_GROUP_WORLD_SIZE, "")
+    if nodes.isdigit() and int(nodes) > 1:
+        return store
+    return f"{store}/{env.get(ENV_RESTART_COUNT, '0')}"
 
 
 def _free_port() -> int:

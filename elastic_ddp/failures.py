@@ -5,9 +5,14 @@ cluster is worth those restarts; a bug or a bad sample that crashes the same ste
 not, and a user reading the logs of attempt four wants to know that attempts one to three died
 the same way. :class:`FailureReport` writes every rank's failure (step, error, attempt) to
 ``<run dir>/failures.jsonl`` -- beside one ``"kind": "resume"`` line per resume saying which tier
-(node memory or durable) it came from and how many steps were redone -- and, when a step fails again as it did before, says so; on the last
-attempt torchrun allows, it raises one error that names the step, the error and the attempts.
-With the recipe's ``@record``, that error is the "root cause" torchrun prints when it gives up.
+(node memory or durable) it came from and how many steps were redone -- and, when a step fails
+again as it did in an earlier attempt, says so; on the last attempt torchrun allows, it raises one
+error that names the step, the error and the attempts. With the recipe's ``@record``, that error
+is the "root cause" torchrun prints when it gives up.
+
+Attempts are counted, not ranks: when one rank dies, the others of its worker group often fail at
+the same step with the same error a few milliseconds later, and those records share one attempt id
+(:func:`elastic_ddp.distributed.attempt_id`, the step ledger's too), so they count once.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import os
 import time
 from pathlib import Path
 from types import TracebackType
+
+from elastic_ddp.distributed import attempt_id
 
 __all__ = ["FAILURES_FILE", "FailureReport", "RecurringFailureError"]
 
@@ -30,18 +37,13 @@ class RecurringFailureError(RuntimeError):
     """The same step failed the same way in every attempt torchrun allowed."""
 
 
-def _attempt_id() -> str:
-    return "{}:{}/{}".format(
-        os.environ.get("MASTER_ADDR", "local"), os.environ.get("MASTER_PORT", "0"),
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-    )  # fmt: skip
-
-
 class FailureReport:
     """Context manager around the training loop; set :attr:`step` as steps complete.
 
     ``restart_count`` and ``max_restarts`` are torchrun's (``TORCHELASTIC_RESTART_COUNT``,
-    ``TORCHELASTIC_MAX_RESTARTS``). Only exceptions are handled; a SIGKILL leaves no record.
+    ``TORCHELASTIC_MAX_RESTARTS``): this node's agent gives up when the count reaches the maximum.
+    The attempt is named by :func:`~elastic_ddp.distributed.attempt_id` from the environment at
+    construction. Only exceptions are handled; a SIGKILL leaves no record.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, rank: int, restart_count: int, max_restarts: int) -> None:
@@ -49,6 +51,7 @@ class FailureReport:
         self.rank = rank
         self.restart_count = restart_count
         self.max_restarts = max_restarts
+        self.attempt = attempt_id()
         self.step = 0
 
     def __enter__(self) -> FailureReport:
@@ -59,7 +62,7 @@ class FailureReport:
             return
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
         earlier = self._earlier_attempts(error)
-        self._write({"attempt": _attempt_id(), "restart": self.restart_count, "rank": self.rank,
+        self._write({"attempt": self.attempt, "restart": self.restart_count, "rank": self.rank,
                      "step": self.step + 1, "error": error, "time": time.time()})  # fmt: skip
         if not earlier:
             return
@@ -79,11 +82,12 @@ class FailureReport:
     def record_resume(self, *, tier: str, step: int, source: str, steps_redone: int | None, world_size: int) -> None:
         """Record where an attempt resumed from: ``tier`` (``"memory"`` or ``"durable"``), the ``step``, the
         ``source`` (a node's memory or a checkpoint URL) and how many completed steps it trains again."""
-        self._write({"attempt": _attempt_id(), "restart": self.restart_count, "rank": self.rank, "kind": "resume",
+        self._write({"attempt": self.attempt, "restart": self.restart_count, "rank": self.rank, "kind": "resume",
                      "tier": tier, "step": step, "source": source, "steps_redone": steps_redone,
                      "world_size": world_size, "time": time.time()})  # fmt: skip
 
     def _earlier_attempts(self, error: str) -> set[str]:
+        """The other attempts on record whose failure was ``error`` at the step failing now."""
         try:
             lines = self.path.read_text(encoding="utf-8").splitlines()
         except OSError:
@@ -96,7 +100,7 @@ class FailureReport:
                 continue
             if record.get("kind") == "resume":
                 continue
-            if record.get("step") == self.step + 1 and record.get("error") == error and record.get("attempt") != _attempt_id():
+            if record.get("step") == self.step + 1 and record.get("error") == error and record.get("attempt") != self.attempt:
                 found.add(record.get("attempt"))
         return found
 

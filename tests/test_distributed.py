@@ -1,5 +1,6 @@
-"""Process-group setup: which device a rank takes, which backend, and which network interface the
-library's gloo groups use when only NCCL's variable names one."""
+"""Process-group setup: which device a rank takes, which backend, which network interface the
+library's gloo groups use when only NCCL's variable names one, and the attempt id that every rank of
+one worker group shares."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ import torch
 
 from elastic_ddp.distributed import (
     ENV_GLOO_SOCKET_IFNAME,
+    ENV_GROUP_WORLD_SIZE,
+    ENV_MASTER_ADDR,
+    ENV_MASTER_PORT,
     ENV_NCCL_SOCKET_IFNAME,
+    ENV_RDZV_ROUND,
+    ENV_RESTART_COUNT,
+    attempt_id,
     gloo_interface_from_nccl,
     resolve_backend,
     select_device,
@@ -117,3 +124,31 @@ def test_without_torchrun_a_process_is_a_job_of_one_rank_on_the_interface_nccl_n
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0", "1", "cpu", "gloo", "lo", "None"]
+
+
+# --- attempt id ------------------------------------------------------------------------------
+
+
+def _worker_env(**values: str) -> dict[str, str]:
+    names = {"addr": ENV_MASTER_ADDR, "port": ENV_MASTER_PORT, "round_": ENV_RDZV_ROUND,
+             "restarts": ENV_RESTART_COUNT, "nodes": ENV_GROUP_WORLD_SIZE}  # fmt: skip
+    return {names[key]: value for key, value in values.items()}
+
+
+def test_the_ranks_of_one_round_share_an_attempt_id_whatever_their_agents_restart_counts():
+    group = [_worker_env(addr="10.0.0.1", port="41234", round_="17", restarts=str(n), nodes="3") for n in (0, 2, 1)]
+    assert {attempt_id(env) for env in group} == {"10.0.0.1:41234/round-17"}
+    # The next round: same store address (a port handed out again), same restart count: another id.
+    again = _worker_env(addr="10.0.0.1", port="41234", round_="18", restarts="0", nodes="3")
+    assert attempt_id(again) != attempt_id(group[0])
+
+
+def test_without_the_round_several_nodes_share_the_rounds_store_address_as_attempt_id():
+    # c10d: every round's rank-0 worker hosts a new store; each agent counts its own restarts.
+    group = [_worker_env(addr="10.0.0.1", port="41234", restarts=str(n), nodes="2") for n in (0, 3)]
+    assert {attempt_id(env) for env in group} == {"10.0.0.1:41234"}
+
+
+def test_on_one_node_the_restart_count_numbers_the_attempts_as_before():
+    assert attempt_id(_worker_env(addr="127.0.0.1", port="29500", restarts="2", nodes="1")) == "127.0.0.1:29500/2"
+    assert attempt_id({}) == "local:0/0"  # no torchrun, no process group

@@ -13,7 +13,9 @@ interrupted runs are configured for the same 40 steps (the LR schedule depends o
   8): every step's samples equal, final parameters equal up to float32 reduction order (relative
   L2 difference, printed and bounded);
 * a real scale-down through the etcd rendezvous (two agents, one killed with its worker): the
-  job's history has every step once, each consuming the next samples of the data order.
+  job's history has every step once, each consuming the next samples of the data order;
+* a node joining after the other's worker crashed, so that the agents' restart counts differ: every
+  step of the history still holds every rank's samples (the ledger names a worker group by its round).
 
 The corpus is cut to 103 samples of 32 bytes, so steps of 8 run through many epochs and cross
 epoch boundaries; dropout is on, so the per-sample dropout seeds are exercised too.
@@ -21,6 +23,7 @@ epoch boundaries; dropout is on, so the per-sample dropout seeds are exercised t
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from pathlib import Path
@@ -204,3 +207,46 @@ def test_a_real_scale_down_neither_repeats_nor_skips_a_sample(etcd_endpoint, tmp
     # The kill left steps after the checkpoint on record; those were trained again, with the same samples.
     assert resumed >= 10 and len(history) >= resumed + 8
 
+
+# A worker's first log line: its world size, its agent's restart count and the rendezvous round.
+WORKER_LINE = re.compile(r"Rank \d+ of world size (\d+) .*torchrun restart (\d+) of .*, rendezvous round (\d+)")
+
+
+def test_a_node_joining_after_a_crash_with_a_lower_restart_count_loses_no_ranks_samples(etcd_endpoint, tmp_path):
+    # Node A's worker crashes once (A's agent counts a restart); node B then joins with a count of 0,
+    # so the ranks of the two-node group carry different restart counts. B is killed later.
+    job = Job(
+        etcd_endpoint, tmp_path, nnodes="1:2", flags=[*FLAGS, "--train.max_steps=100000", "--checkpoint.every_steps=5"],
+        extra_env={"ELASTIC_DDP_FAULT": "raise@7:rank=0:restart=0"},
+    )  # fmt: skip
+    try:
+        survivor = job.add_node()
+        job.wait_until(lambda: "torchrun restart 1 of at most 3" in job.output(), 180, "the restart after the crash")
+        job.wait_for_step(9)
+        mark, t0 = job.mark(), time.monotonic()
+        victim = job.add_node()
+        job.wait_for_training_since(mark, t0, world_size=2)
+        joined = max(s for s, w in steps(job.output_since(mark)) if w == 2)
+        job.wait_until(lambda: any(s >= joined + 6 and w == 2 for s, w in steps(job.output_since(mark))), 180,
+                       "6 steps of both nodes")  # fmt: skip
+        mark, t0 = job.mark(), time.monotonic()
+        victim.kill()
+        job.wait_for_training_since(mark, t0, world_size=1)
+        resumed = resumed_steps(job.output_since(mark))[-1]
+        job.wait_until(lambda: any(s >= resumed + 4 and w == 1 for s, w in steps(job.output_since(mark))), 180,
+                       "4 steps of the survivor")  # fmt: skip
+        survivor.terminate()
+        survivor.wait(timeout=120)
+    finally:
+        job.cleanup()
+    counts: dict[int, set[int]] = {}
+    for world_size, restarts, round_ in WORKER_LINE.findall(job.output()):
+        if world_size == "2":
+            counts.setdefault(int(round_), set()).add(int(restarts))
+    assert {1, 0} in counts.values(), counts  # a two-node group whose agents' counts differed
+    history = read_ledger(job.run_dir)
+    per_epoch = samples_per_epoch()
+    assert_each_sample_once_per_epoch(history, per_epoch)
+    assert [e.all_indices for e in history.values()] == expected_order(len(history), per_epoch)
+    assert all(sorted(e.indices) == list(range(e.world_size)) for e in history.values())
+    assert 2 in {e.world_size for e in history.values()}

@@ -2,17 +2,20 @@
 
 With ``data.ledger`` on, each rank appends one JSON line per optimizer step to
 ``<run dir>/ledger/rank-<R>.jsonl``. Every worker start first writes a header naming its attempt
-(the worker group's store address and torchrun's restart count, shared by all ranks of one group),
-the step it resumed from and the world size. Lines are flushed as they are written, so a node
-killed with SIGKILL leaves every step it completed on record.
+(:func:`elastic_ddp.distributed.attempt_id`: the same on every rank of one worker group, whichever
+node it runs on), the step it resumed from and the world size. Lines are flushed as they are
+written, so a node killed with SIGKILL leaves every step it completed on record.
 
 Records (one JSON object a line; docs/data.md has the details):
 
 ==============  =========  =================================================================
 header field    type       meaning
 ==============  =========  =================================================================
-``attempt``     str        ``"MASTER_ADDR:MASTER_PORT/TORCHELASTIC_RESTART_COUNT"`` (``local``,
-                           ``0``, ``0`` where unset); equal strings are one attempt
+``attempt``     str        the worker group's id: ``"MASTER_ADDR:MASTER_PORT/round-N"`` under
+                           this package's etcd rendezvous, ``"MASTER_ADDR:MASTER_PORT"`` under
+                           another one over several nodes, ``".../TORCHELASTIC_RESTART_COUNT"``
+                           on one node (and on every node in ledgers written before the round
+                           was used)
 ``resume_step`` int        steps completed by the state the attempt started from (0: fresh)
 ``world_size``  int        the attempt's world size
 ``rank``        int        this worker's rank in the attempt
@@ -27,37 +30,34 @@ step field      type       meaning
 ``loss``        float      the step's global loss (all ranks' samples; float64, as computed)
 ==============  =========  =================================================================
 
-:func:`read_ledger` replays the attempts in the order they started. An attempt that resumed from
-step ``s`` supersedes whatever earlier attempts recorded after ``s`` (those steps were redone), so
-the result is the history of the job as its checkpoints tell it: for every step, which samples
-each rank of that moment consumed. Tests use it to check that no sample was consumed twice or
-skipped across restarts and world-size changes; operators can use it to audit a real run.
+:func:`read_ledger` groups the headers of all files into attempts, orders the attempts as they ran
+and follows the job's state back from the last one: an attempt that resumed from step ``s``
+continues the latest earlier attempt that reached ``s``, so steps that others recorded after ``s``
+were redone or belong to a state no later attempt started from. The result is the history of the
+job as its checkpoints tell it: for every step, which samples each rank of that moment consumed.
+Tests use it to check that no sample was consumed twice or skipped across restarts, node losses
+and world-size changes; operators can use it to audit a real run.
 
 Cost: one line of ``global_batch_size / world_size`` integers per rank and step.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
+import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from elastic_ddp.distributed import attempt_id
+
 __all__ = ["LedgerStep", "StepLedger", "read_ledger"]
 
 LEDGER_DIR = "ledger"
-
-
-def _attempt_id() -> str:
-    # MASTER_ADDR:MASTER_PORT is the store of this worker group (a fresh one per rendezvous
-    # round); with torchrun's restart count it names one attempt on every rank alike.
-    return "{}:{}/{}".format(
-        os.environ.get("MASTER_ADDR", "local"),
-        os.environ.get("MASTER_PORT", "0"),
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-    )
 
 
 class StepLedger:
@@ -71,7 +71,7 @@ class StepLedger:
         directory.mkdir(parents=True, exist_ok=True)
         self._file = open(directory / f"rank-{rank}.jsonl", "a", encoding="utf-8")
         self._write({
-            "attempt": _attempt_id(), "resume_step": resume_step, "world_size": world_size,
+            "attempt": attempt_id(), "resume_step": resume_step, "world_size": world_size,
             "rank": rank, "time": time.time(),
         })  # fmt: skip
 
@@ -106,16 +106,34 @@ class LedgerStep:
         return [i for rank in sorted(self.indices) for i in self.indices[rank]]
 
 
+# An attempt as read_ledger groups headers: (attempt id, resume_step, world_size, occurrence).
+_Key = tuple[str, int, int, int]
+
+
 @dataclass
 class _Attempt:
-    started: float
+    started: float  # the earliest of its headers' times
     resume_step: int
     world_size: int
     steps: dict[int, LedgerStep] = field(default_factory=dict)
 
+    @property
+    def reach(self) -> int:
+        """The last step this attempt's state passed through."""
+        return max(self.steps, default=self.resume_step)
+
 
 def read_ledger(run_dir: str | os.PathLike) -> dict[int, LedgerStep]:
     """The job's step history from every rank's ledger file (see the module docstring).
+
+    Headers with the same attempt id, resume step and world size are one attempt, pairing each
+    file's first such header with the other files' first, its second with their second: a worker
+    writes one header per attempt, and an id can come back (a port handed out again, a job
+    launched again on one node with its restart count back at 0). Attempts run in the order every
+    file lists them (one worker appends to a file at a time), so clocks of different hosts decide
+    only between attempts that share no file; there, the earliest header goes first. From the last
+    attempt back, each attempt continues the latest earlier one that reached its resume step (or,
+    where none did, the latest that resumed no later), which supplies the steps up to it.
 
     Raises:
         FileNotFoundError: ``run_dir`` has no ledger (``data.ledger`` was off).
@@ -125,8 +143,11 @@ def read_ledger(run_dir: str | os.PathLike) -> dict[int, LedgerStep]:
     files = sorted(directory.glob("rank-*.jsonl"))
     if not files:
         raise FileNotFoundError(f"No ledger files in {directory} (was data.ledger enabled?)")
-    attempts: dict[str, _Attempt] = {}
+    attempts: dict[_Key, _Attempt] = {}
+    sequences: list[list[_Key]] = []  # each file's attempts, in the file's order
     for path in files:
+        sequence: list[_Key] = []
+        seen: Counter[tuple[str, int, int]] = Counter()
         current: _Attempt | None = None
         rank = -1
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
@@ -136,11 +157,13 @@ def read_ledger(run_dir: str | os.PathLike) -> dict[int, LedgerStep]:
                 record = json.loads(line)
                 if "attempt" in record:
                     rank = int(record["rank"])
-                    current = attempts.setdefault(
-                        record["attempt"],
-                        _Attempt(record["time"], int(record["resume_step"]), int(record["world_size"])),
-                    )
-                    current.started = min(current.started, record["time"])
+                    same = (str(record["attempt"]), int(record["resume_step"]), int(record["world_size"]))
+                    started = float(record["time"])
+                    key = (*same, seen[same])
+                    seen[same] += 1
+                    sequence.append(key)
+                    current = attempts.setdefault(key, _Attempt(started, same[1], same[2]))
+                    current.started = min(current.started, started)
                     continue
                 step = int(record["step"])
                 indices = [int(i) for i in record["indices"]]
@@ -151,9 +174,53 @@ def read_ledger(run_dir: str | os.PathLike) -> dict[int, LedgerStep]:
                 raise ValueError(f"{path}:{number}: a step record before any attempt header")
             entry = current.steps.setdefault(step, LedgerStep(step, current.world_size, loss))
             entry.indices[rank] = indices
+        sequences.append(sequence)
+    return _lineage(_in_order(attempts, sequences))
+
+
+def _in_order(attempts: dict[_Key, _Attempt], sequences: list[list[_Key]]) -> list[_Attempt]:
+    """The attempts in an order that keeps every file's order, the earliest-started first where
+    that leaves a choice (a topological sort of the files' orders)."""
+    after: dict[_Key, list[_Key]] = {key: [] for key in attempts}
+    pending = dict.fromkeys(attempts, 0)  # per unplaced attempt: unplaced ones a file lists just before it
+    for sequence in sequences:
+        for first, then in zip(sequence, sequence[1:]):
+            after[first].append(then)
+            pending[then] += 1
+    ready = [(attempts[key].started, key) for key, count in pending.items() if count == 0]
+    heapq.heapify(ready)
+    order: list[_Attempt] = []
+    while pending:
+        if ready:
+            key = heapq.heappop(ready)[1]
+        else:
+            # The files disagree: an id came back in a way the pairing could not tell apart (a
+            # worker that died before its header, in an attempt whose id, resume step and world
+            # size a later one repeated). The headers' times decide.
+            key = min(pending, key=lambda k: attempts[k].started)
+        del pending[key]
+        order.append(attempts[key])
+        for then in after[key]:
+            if then in pending:
+                pending[then] -= 1
+                if pending[then] == 0:
+                    heapq.heappush(ready, (attempts[then].started, then))
+    return order
+
+
+def _lineage(order: list[_Attempt]) -> dict[int, LedgerStep]:
+    """The steps that led to the last attempt's state: its own, then, up to the step it resumed
+    from, those of the attempt it continued, and so on back to a fresh start."""
     history: dict[int, LedgerStep] = {}
-    for attempt in sorted(attempts.values(), key=lambda a: a.started):
-        for step in [s for s in history if s > attempt.resume_step]:
-            del history[step]
-        history.update(attempt.steps)
+    index, limit = len(order) - 1, math.inf
+    while index >= 0 and limit > 0:
+        attempt = order[index]
+        history.update((step, entry) for step, entry in attempt.steps.items() if step <= limit)
+        limit = attempt.resume_step
+        earlier = [i for i in range(index) if order[i].resume_step <= limit]
+        # The latest state at step `limit` is the one a resume from it loaded. Where no attempt on
+        # record reached it (an earlier run without the ledger), the latest one that resumed no
+        # later holds the steps before it, and the steps between are missing from the history.
+        reached = [i for i in earlier if order[i].reach >= limit]
+        index = (reached or earlier or [-1])[-1]
     return dict(sorted(history.items()))
