@@ -22,9 +22,10 @@ What the run does, in the order the protocol needs (the script cannot get it wro
 order is not the script's):
 
 1. :func:`launch`: settings from ``--config FILE`` and ``--section.field=value`` (a bad one stops
-   the job before anything starts); SIGTERM becomes a stop request; the worker exits by itself if
-   its torchrun agent dies; the process group and this rank's device; every random generator
-   seeded from ``train.seed`` (the same initial weights on every rank).
+   the job before anything starts); SIGTERM becomes a stop request (before the first step an
+   immediate exit: there is nothing to save yet); the worker exits by itself if its torchrun agent
+   dies; the process group and this rank's device; every random generator seeded from
+   ``train.seed`` (the same initial weights on every rank).
 2. :meth:`Run.setup`: wraps the model in DDP; registers the model, optimizer, scheduler and any
    other stateful objects; proves that every node sees the same checkpoint storage; picks the
    newest state anywhere -- a surviving node's memory tier (``checkpoint.memory_dir``, see
@@ -525,6 +526,8 @@ class Run:
         return self._loop(dataset, collate_fn)
 
     def _loop(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> Iterator[Step]:
+        # From here a stop has a step boundary to reach and a checkpoint to save; before, it exits.
+        self._stop_signal.steps_started()
         train, data = self.cfg.train, self.cfg.data
         end = train.max_steps
         if train.exit_at_step and train.exit_at_step > self.step:
@@ -734,7 +737,9 @@ def launch(
         cfg = load_config(args, config)
     except ConfigError as exc:
         _exit_on_settings_error(exc)
-    # SIGTERM now means "checkpoint at a step boundary, then exit", within grace_s.
+    # From here SIGTERM/SIGINT ends the worker at once with EXIT_STOPPED (process-group set-up and
+    # resume included: nothing to save yet); once the loop starts it means "checkpoint at a step
+    # boundary, then exit", within grace_s. Before this line the default action ends the process.
     stop_signal = StopSignal(grace_s=cfg.checkpoint.grace_s)
     exit_when_orphaned()  # if our torchrun agent dies, do not train on as a ghost
     configure_logging("worker")

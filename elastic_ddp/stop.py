@@ -1,10 +1,13 @@
 """How a worker stops: on request at an agreed step, when its agent is gone, or with a clear status.
 
-Stopping is cooperative. SIGTERM (what Kubernetes, Slurm and torchrun send on preemption or before
-restarting a worker group) only sets a flag (:class:`StopSignal`). Every rank adds its flag to a tiny
-all-reduce on a gloo group of its own (:class:`StopAgreement`), started after one step and read after
-the next, so it never waits on the GPU or on the network: all ranks learn of a stop at the same step
-boundary -- at most two steps after the signal -- and commit a checkpoint of that same step.
+Before the training loop starts there is nothing to save, so SIGTERM or SIGINT ends the worker at
+once with :data:`EXIT_STOPPED` -- also while it waits in C++ for its peers in process-group set-up
+(:class:`StopSignal`). From the loop's start, stopping is cooperative. SIGTERM (what Kubernetes,
+Slurm and torchrun send on preemption or before restarting a worker group) only sets a flag. Every
+rank adds its flag to a tiny all-reduce on a gloo group of its own (:class:`StopAgreement`), started
+after one step and read after the next, so it never waits on the GPU or on the network: all ranks
+learn of a stop at the same step boundary -- at most two steps after the signal -- and commit a
+checkpoint of that same step.
 
 After that checkpoint a rank that received the signal itself exits (:data:`EXIT_STOPPED`). A rank
 that did not -- a survivor of a preemption elsewhere -- waits (:func:`wait_for_restart`) until its
@@ -17,10 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -54,25 +58,69 @@ EXIT_NOT_RESTARTED = 77
 
 
 class StopSignal:
-    """Records SIGTERM/SIGINT instead of dying, so the loop can stop at a step boundary.
+    """SIGTERM/SIGINT: until :meth:`steps_started`, exit at once; from then on, a request to stop at
+    a step boundary.
 
-    Further signals while stopping are logged and otherwise ignored: on Slurm a preemption signals
-    every process of the step, torchrun forwards its own SIGTERM, and a batch script may forward once
-    more -- none of them may kill the stop checkpoint. ``grace_s`` bounds the cooperative stop: a rank
-    stuck where it cannot reach a step boundary (a hung collective, a peer that froze) exits with
-    :data:`EXIT_STOP_TIMEOUT` that long after the first signal instead of waiting for SIGKILL.
+    Before the first step there is nothing to save: a signal ends the worker within moments with
+    :data:`EXIT_STOPPED` (what a stopped worker exits with; torch's agent does not read the status
+    of workers it stops itself, and for anyone else it means "run again to resume"). The signal may
+    come while the main thread waits in C++ -- ``init_process_group`` waiting for its peers, a store
+    wait -- where a Python signal handler does not run until the call returns (torchrun waited 30 s,
+    then sent SIGKILL). So a watcher thread takes the exit, woken through
+    :func:`signal.set_wakeup_fd`: Python's C-level handler writes the signal's number to a pipe the
+    moment the signal arrives, whatever the main thread is doing. The pipe replaces any other wakeup
+    fd of the process (an asyncio loop's) until :meth:`restore`; a forked child does not keep it.
+
+    From :meth:`steps_started` on, a signal only sets a flag, so the loop can stop at a step
+    boundary. Further signals while stopping are logged and otherwise ignored: on Slurm a preemption
+    signals every process of the step, torchrun forwards its own SIGTERM, and a batch script may
+    forward once more -- none of them may kill the stop checkpoint. ``grace_s`` bounds the
+    cooperative stop: a rank stuck where it cannot reach a step boundary (a hung collective, a peer
+    that froze) exits with :data:`EXIT_STOP_TIMEOUT` that long after the first signal instead of
+    waiting for SIGKILL.
+
+    Create it in the main thread (Python's signal API requires it).
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), grace_s: float | None = None) -> None:
         self.received: int | None = None
         self.received_at: float | None = None
         self.repeats = 0
+        self._signals = frozenset(signals)
         self._grace_s = grace_s
         self._timer: threading.Timer | None = None
         self._woken = threading.Event()
+        self._stepping = False
+        self._restored = False
         self._previous = {}
         for signum in signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        self._wakeup_read, self._wakeup_write = os.pipe()
+        os.set_blocking(self._wakeup_write, False)  # required by set_wakeup_fd: a signal never blocks
+        self._previous_wakeup = signal.set_wakeup_fd(self._wakeup_write, warn_on_full_buffer=False)
+        _WAKEUP_FDS.add(self._wakeup_write)
+        self._watcher = threading.Thread(target=self._exit_before_steps, name="stop-signal-watch", daemon=True)
+        self._watcher.start()
+
+    def steps_started(self) -> None:
+        """The training loop starts: from now on a signal is a request to stop at a step boundary."""
+        self._stepping = True
+
+    def _exit_before_steps(self) -> None:
+        """The watcher thread: exit on the first of our signals that arrives before the loop starts."""
+        while True:
+            try:
+                numbers = os.read(self._wakeup_read, 64)
+            except OSError:
+                return
+            if self._restored:
+                return
+            # Any signal with a Python handler writes its number (SIGCHLD, say, if someone handles it).
+            mine = [n for n in numbers if n in self._signals]
+            if mine and not self._stepping:
+                log.warning("Signal %s received before training started: nothing to save yet; exiting with status %d.",
+                            signal.Signals(mine[0]).name, EXIT_STOPPED)  # fmt: skip
+                _flush_and_exit(EXIT_STOPPED)
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is not None:
@@ -94,8 +142,7 @@ class StopSignal:
             "Signal %s was received %.0f s ago and this rank has not finished its stop at a step boundary; exiting.",
             signal.Signals(self.received).name, self._grace_s,
         )  # fmt: skip
-        logging.shutdown()
-        os._exit(EXIT_STOP_TIMEOUT)
+        _flush_and_exit(EXIT_STOP_TIMEOUT)
 
     def stopped(self) -> None:
         """The stop reached its step boundary and its checkpoint: the grace timer has nothing left to bound."""
@@ -111,9 +158,52 @@ class StopSignal:
         return self.received is not None
 
     def restore(self) -> None:
-        """Put back the handlers that were there before."""
+        """Put back the handlers and wakeup fd that were there before, and end the watcher thread."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        signal.set_wakeup_fd(self._previous_wakeup)
+        _WAKEUP_FDS.discard(self._wakeup_write)
+        self._restored = True
+        # A byte, not end-of-file, wakes the watcher: a forked child (a DataLoader worker) may still
+        # hold the pipe's write end.
+        os.write(self._wakeup_write, b"\0")
+        self._watcher.join()
+        os.close(self._wakeup_write)
+        os.close(self._wakeup_read)
+
+
+# The write ends of the wakeup pipes of this process's StopSignals (see _no_wakeup_in_child).
+_WAKEUP_FDS: set[int] = set()
+
+
+def _no_wakeup_in_child() -> None:
+    """In a child made by ``fork`` (a ``multiprocessing`` pool, a DataLoader worker): drop the
+    inherited wakeup fd, or the child's signals would reach the parent's watcher through the shared
+    pipe -- the SIGTERM that ``Pool.terminate()`` sends its workers would end the parent."""
+    if not _WAKEUP_FDS:
+        return
+    fd = signal.set_wakeup_fd(-1)  # the forking thread is the child's main thread
+    if fd not in _WAKEUP_FDS:
+        signal.set_wakeup_fd(fd)  # not ours: leave it
+    _WAKEUP_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_no_wakeup_in_child)
+
+
+def _flush_and_exit(status: int) -> NoReturn:
+    """Leave now with ``status``, from any thread, after flushing the logs and standard streams.
+
+    ``os._exit``: the main thread may be stuck in C++ (or in a collective whose peer is gone), where
+    ``sys.exit`` and interpreter teardown would wait for it.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 class StopAgreement:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import types
 
 import pytest
 
+from elastic_ddp.etcd_server import free_port
 from elastic_ddp.stop import (
     ENV_AGENT_PID,
     ENV_SETTINGS_ERROR_DIR,
@@ -29,6 +31,7 @@ from elastic_ddp.stop import (
     report_settings_error,
     wait_for_restart,
 )
+from tests.helpers.nodes import wait_for
 
 
 def python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -39,8 +42,10 @@ def python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedP
 
 @pytest.fixture
 def stop_signal():
-    """A StopSignal for SIGTERM and SIGINT in this process, without a grace timer (which would end it)."""
+    """A StopSignal for SIGTERM and SIGINT in this process, in its training-loop phase (before it, a
+    signal would end the process), without a grace timer (which would end it too)."""
     stop = StopSignal()
+    stop.steps_started()
     yield stop
     stop.restore()
 
@@ -70,12 +75,15 @@ def test_ctrl_c_is_a_stop_request_too_and_a_later_sigterm_does_not_replace_it(st
     assert stop_signal.received == signal.SIGINT and stop_signal.repeats == 1
 
 
-def test_restore_puts_back_the_previous_handlers():
+def test_restore_puts_back_the_previous_handlers_and_wakeup_fd_and_ends_its_thread():
     before = signal.getsignal(signal.SIGTERM)
+    threads = set(threading.enumerate())
     stop = StopSignal(signals=(signal.SIGTERM,))
     assert signal.getsignal(signal.SIGTERM) == stop._handle
     stop.restore()
     assert signal.getsignal(signal.SIGTERM) == before
+    assert signal.set_wakeup_fd(-1) == -1  # none was set before the StopSignal
+    assert [t for t in threading.enumerate() if t not in threads] == []
 
 
 def test_a_stop_that_does_not_finish_within_the_grace_period_exits_with_its_own_status():
@@ -84,6 +92,7 @@ def test_a_stop_that_does_not_finish_within_the_grace_period_exits_with_its_own_
         from elastic_ddp.stop import StopSignal
         logging.basicConfig(level=logging.INFO)
         stop = StopSignal(grace_s=0.2)
+        stop.steps_started()
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # a repeat does not kill it
         print("stopping", stop.requested, stop.repeats, flush=True)
@@ -93,6 +102,73 @@ def test_a_stop_that_does_not_finish_within_the_grace_period_exits_with_its_own_
     assert result.returncode == EXIT_STOP_TIMEOUT, result.stderr
     assert result.stdout.splitlines() == ["stopping True 1"]
     assert "has not finished its stop at a step boundary; exiting" in result.stderr
+
+
+def test_before_the_training_loop_a_signal_ends_the_process_at_once_with_the_stop_status():
+    result = python("""
+        import os, signal, threading
+        from elastic_ddp.stop import StopSignal
+        stop = StopSignal(grace_s=60)  # resuming, say: no step yet, so nothing to save
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(100)
+        print("still running", flush=True)
+    """, timeout=60)
+    assert result.returncode == EXIT_STOPPED, result.stderr
+    assert result.stdout == ""
+    expected = f"Signal SIGTERM received before training started: nothing to save yet; exiting with status {EXIT_STOPPED}."
+    assert expected in result.stderr
+
+
+def test_a_signal_to_a_forked_child_before_the_training_loop_does_not_end_the_parent():
+    result = python("""
+        import multiprocessing
+        from elastic_ddp.stop import StopSignal
+        stop = StopSignal()
+        # A pool made before the loop (data preparation); leaving the block SIGTERMs its workers.
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            assert pool.map(abs, [-1, -2]) == [1, 2]
+        # The watcher reads the pipe in order: a byte from the children would end this process
+        # before the one restore() writes to wake it.
+        stop.restore()
+        print("alive", flush=True)
+    """, timeout=60)
+    assert (result.returncode, result.stdout) == (0, "alive\n"), result.stderr
+
+
+# A worker of a world of two whose peer never comes: init_process_group waits for it in C++.
+_LONELY_WORKER = """
+import elastic_ddp as edp
+edp.launch(lambda run: None)
+"""
+
+
+def test_a_worker_waiting_for_its_peers_in_process_group_setup_stops_at_once_on_sigterm(tmp_path):
+    port = free_port()
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    worker = subprocess.Popen([sys.executable, "-c", _LONELY_WORKER, f"--run.root={tmp_path}"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        # Rank 0 hosts the store at MASTER_PORT: once it accepts, the worker waits for rank 1.
+        wait_for(lambda: worker.poll() is not None or _accepts(port), 120, what="the worker's store")
+        assert worker.poll() is None, worker.stdout.read()
+        worker.send_signal(signal.SIGTERM)
+        # torchrun gives a worker 30 s before SIGKILL; before this fix the worker used all of them.
+        code = worker.wait(timeout=15)
+        output = worker.stdout.read()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert code == EXIT_STOPPED, output
+    assert "received before training started" in output
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 # --- StopAgreement ---------------------------------------------------------------------------
