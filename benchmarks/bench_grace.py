@@ -105,6 +105,7 @@ def _measure(ctx, endpoint: str, variant: str, shutdown_timeout: int | None, rep
         return torchrun(
             f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=0.2",
             "--rdzv-backend=etcd", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", *timeout_flag,
+            "--rdzv-conf=first_round_timeout=2",  # the first two start together; the third joins later
             script=Path(__file__), script_args=[str(scratch), str(world)],
         )  # fmt: skip
 

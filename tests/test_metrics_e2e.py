@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.job import RECIPE, RESUMED_LINE, TINY, env, steps
+from tests.helpers.job import RECIPE, RESUMED_LINE, TEST_RDZV_CONF, TINY, env, steps
 from tests.helpers.nodes import Node, start_node, wait_for
 from tests.test_metrics import (
     assert_every_tag_strictly_increasing,
@@ -45,7 +45,7 @@ def torchrun(endpoint: str, run_id: str, root: Path, *, nnodes: str, nproc_per_n
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", "--max-restarts=2", "--monitor-interval=0.1",
-        "--rdzv-backend=etcd", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+        "--rdzv-backend=etcd", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", TEST_RDZV_CONF,
         str(RECIPE), f"--run.root={root}", f"--run.name={run_id}", *TINY,
         f"--checkpoint.every_steps={CHECKPOINT_EVERY}", *flags,
     ]  # fmt: skip

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.job import TEST_RDZV_CONF
 from tests.helpers.nodes import start_node, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def torchrun(backend: str, endpoint: str, run_id: str, nnodes: str, root: Path, 
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
-        f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+        f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", TEST_RDZV_CONF,
         str(RECIPE), f"--run.root={root}", f"--run.name={run_id}", *TINY, *flags,
     ]  # fmt: skip
 

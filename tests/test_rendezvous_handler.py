@@ -27,18 +27,22 @@ from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, report_setti
 from elastic_ddp.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
 from elastic_ddp.rendezvous.client import EtcdClient, EtcdConnectionError, Range
+from elastic_ddp.rendezvous import handler as handler_module
 from elastic_ddp.rendezvous.handler import ENV_RDZV_ROUND, EtcdRendezvousHandler, InvalidSettingsError
+from elastic_ddp.rendezvous.liveness import LivenessListener
 from elastic_ddp.rendezvous.rounds import LAST_CALL, RoundRecord, node_key
 from elastic_ddp.rendezvous.view import RunKeys
 from tests.helpers.nodes import record_raises, wait_for
 
-FAST = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "30"}
+FAST = {"last_call_timeout": "1", "first_round_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "30"}
 
 
 @pytest.fixture
 def run(etcd_endpoint, etcd_prefix, monkeypatch):
     """A factory of handlers of one fresh run; every handler leaves at the end of the test."""
     monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
+    # The nodes have made-up addresses but run here: their agents answer probes on this host.
+    monkeypatch.setattr(handler_module, "LivenessListener", lambda host: LivenessListener("127.0.0.1"))
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     made: list[EtcdRendezvousHandler] = []
 
@@ -112,10 +116,46 @@ def test_nodes_form_one_round_ranked_in_torchs_node_order_and_export_the_round(r
 
 
 def test_the_last_call_admits_a_node_that_arrives_within_it(run, etcd_client):
-    first = Joining(run(1, 3, "10.0.0.1", last_call_timeout="3"))
+    first = Joining(run(1, 3, "10.0.0.1", first_round_timeout="3"))
     wait_for(lambda: getattr(record(etcd_client, run.keys), "state", None) == LAST_CALL, 30, what="the last call")
-    second = Joining(run(1, 3, "10.0.0.2", last_call_timeout="3"))
+    second = Joining(run(1, 3, "10.0.0.2", first_round_timeout="3"))
     assert ranks([first.result(), second.result()]) == [(0, 2), (1, 2)]
+
+
+# A lease and a last call far longer than the test may wait: a round that completes did so on a probe.
+SLOW_TO_NOTICE = {"last_call_timeout": "120", "keep_alive_max_attempt": "120"}
+
+
+def _killed(handler: EtcdRendezvousHandler) -> None:
+    """What SIGKILL of an agent leaves behind: a lease nobody renews that etcd still holds, and
+    nothing listening where its registration says its agent answers."""
+    handler._keep_alive.close()
+    handler._liveness.close()
+
+
+def test_after_a_failure_the_round_completes_without_waiting_for_a_node_whose_agent_is_gone(run, etcd_client):
+    a, b, c = (run(1, 3, "127.0.0.1", **SLOW_TO_NOTICE) for _ in range(3))
+    join_all(a, b, c)
+    _killed(c)
+    # The survivors' workers failed on the dead peer: their agents call for a new round.
+    infos = join_all(a, b)
+    assert ranks(infos) == [(0, 2), (1, 2)]
+    # Neither c's lease (120 s) nor the last call (120 s) ended: the probe told the survivors.
+    assert etcd_client.lease_ttl(c._lease) > 60
+    previous = record(etcd_client, run.keys).round - 1
+    assert etcd_client.range(Range.prefix(run.keys.joins(previous), count_only=True)).count == 0  # c's removed
+
+
+def test_a_node_whose_agent_still_answers_is_waited_for(run, etcd_client):
+    a, b = run(1, 3, "127.0.0.1", last_call_timeout="2"), run(1, 3, "127.0.0.1", last_call_timeout="2")
+    join_all(a, b)
+    # b's agent lives (its port answers) but it does not come over, as while it stops its workers.
+    started = time.monotonic()
+    (info,) = join_all(a)
+    assert ranks([info]) == [(0, 1)]
+    assert time.monotonic() - started >= 2  # the last call was waited out
+    previous = record(etcd_client, run.keys).round - 1
+    assert etcd_client.range(Range.prefix(run.keys.joins(previous), count_only=True)).count == 1  # b's, untouched
 
 
 def test_a_member_that_leaves_is_a_membership_change_answered_without_etcd(run, monkeypatch):
@@ -378,3 +418,63 @@ def test_a_join_rides_out_etcd_being_down_and_completes_once_it_is_back(run, tmp
         second = Joining(b)
         assert ranks([first.result(), second.result()]) == [(0, 2), (1, 2)]
         a.leave(), b.leave()
+
+
+# -- releasing what a node holds (torch's launcher tests run many agents in one process) --------
+
+
+def node_leases(client: EtcdClient, keys: RunKeys) -> dict[str, set[int]]:
+    """The leases of the run's registration keys ("node") and store keys ("store")."""
+    found = {"node": set(), "store": set()}
+    for kv in client.get_prefix(keys.base):
+        key = kv.key.decode()
+        kind = "node" if key.startswith(keys.base + "joins/") else "store" if key.startswith(keys.store) else None
+        if kind is not None and kv.lease:
+            found[kind].add(kv.lease)
+    return found
+
+
+def threads_since(before: set[threading.Thread]) -> list[str]:
+    # The deadline watchdog is one thread per process, shared by every keep-alive ever made.
+    return [t.name for t in threading.enumerate() if t not in before and t.name != "etcd-deadline-watchdog"]
+
+
+@pytest.mark.parametrize("end", ["leave", "shutdown"])
+def test_a_node_that_ran_alone_releases_its_threads_and_leases_when_it_ends(end, run, etcd_client):
+    before = set(threading.enumerate())
+    handler = run(1, 1, "10.0.0.1")
+    join_all(handler)  # rank 0 publishes its address in the store, under the store's lease
+    leases = node_leases(etcd_client, run.keys)
+    assert len(leases["node"]) == 1 and len(leases["store"]) == 1
+    getattr(handler, end)()
+    assert all(etcd_client.lease_ttl(lease) == -1 for lease in leases["node"] | leases["store"])
+    assert etcd_client.get_prefix(run.keys.store) == []
+    wait_for(lambda: not threads_since(before), 10, what=f"no thread left, found {threads_since(before)}")
+
+
+def test_shutdown_leaves_the_store_lease_to_expire_while_other_nodes_may_be_in_the_exit_barrier(run, etcd_client):
+    before = set(threading.enumerate())
+    a, b = run(2, 2, "10.0.0.1"), run(2, 2, "10.0.0.2")
+    join_all(a, b)
+    store_leases = node_leases(etcd_client, run.keys)["store"]  # a's: rank 0 wrote the round's address
+    assert len(store_leases) == 1
+    ttl_before = etcd_client.lease_ttl(*store_leases)
+    assert a.shutdown() is True
+    # b may still wait for barrier keys a wrote: they stay, but nothing keeps them alive any more.
+    assert etcd_client.get_prefix(run.keys.store) != []
+    b.leave()
+    wait_for(lambda: not threads_since(before), 10, what=f"no thread left, found {threads_since(before)}")
+    assert 0 < etcd_client.lease_ttl(*store_leases) <= ttl_before
+
+
+def test_leaving_while_etcd_is_unreachable_returns_promptly_and_lets_the_leases_expire(run, tmp_path):
+    before = set(threading.enumerate())
+    with EtcdServer(tmp_path / "etcd") as own:
+        handler = run(1, 1, "10.0.0.1", endpoint=own.endpoint, read_timeout="2")
+        join_all(handler)
+        own.stop()
+        start = time.monotonic()
+        handler.leave()
+        # One revocation that fails (read_timeout) and none after it; generous for a busy machine.
+        assert time.monotonic() - start < 15
+        wait_for(lambda: not threads_since(before), 10, what=f"no thread left, found {threads_since(before)}")

@@ -10,10 +10,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
 from elastic_ddp.etcd_server import free_port
 from elastic_ddp.rendezvous import plugin
+from elastic_ddp.rendezvous.client import EtcdConnectionError
+from elastic_ddp.stop import ENV_SETTINGS_ERROR_DIR
 from tests.helpers.nodes import start_node, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,6 +122,21 @@ def test_password_is_read_from_the_environment(monkeypatch, tmp_path):
         assert "root" in str(info.value)
 
 
+@pytest.mark.parametrize("create", [plugin.create_backend, plugin.create_rdzv_handler], ids=["backend", "handler"])
+def test_creating_it_with_no_etcd_listening_fails_at_once_naming_the_endpoint(create, monkeypatch):
+    endpoint = f"127.0.0.1:{free_port()}"  # bound once, then closed: nobody listens there
+    monkeypatch.delenv(ENV_SETTINGS_ERROR_DIR, raising=False)
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as raised:
+        create(params(endpoint, read_timeout="5"))
+    assert time.monotonic() - start < 15  # a refused connection fails in ~1.5 s; the bound is read_timeout
+    message = str(raised.value)
+    assert f"expected an etcd v3 server accepting its requests at --rdzv-endpoint '{endpoint}'" in message
+    assert f"etcd at {endpoint} is unavailable" in message
+    assert isinstance(raised.value.__cause__, EtcdConnectionError)
+    assert ENV_SETTINGS_ERROR_DIR not in os.environ  # nothing was set up for a handler that does not exist
+
+
 def test_recovery_defaults_are_injected_but_user_values_win():
     merged = plugin._with_recovery_defaults(params(last_call_timeout="7"))
     assert merged.get_as_int("last_call_timeout") == 7
@@ -220,6 +237,40 @@ def test_a_users_shared_store_setting_wins_over_the_plugins():
     assert _python(_SHOW_SHARED_STORE_ENV, **{plugin.DISABLE_SHARED_STORE_ENV: "0"}) == "0"
 
 
+def test_the_handler_hosts_a_worker_store_per_round_without_the_entry_points(etcd_endpoint, monkeypatch):
+    # Set, then deleted: monkeypatch then removes what create_rdzv_handler sets, after the test.
+    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
+    monkeypatch.delenv(plugin.DISABLE_SHARED_STORE_ENV)
+    handler = plugin.create_rdzv_handler(params(etcd_endpoint))
+    try:
+        assert handler.use_agent_store is False  # what torch's agent tells the workers
+        assert os.environ[plugin.DISABLE_SHARED_STORE_ENV] == "1"  # read again at every round
+    finally:
+        handler.leave()
+
+
+_C10D_USE_AGENT_STORE = (
+    "import sys\n"
+    "from torch.distributed.elastic.rendezvous import RendezvousParameters\n"
+    "from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler\n"
+    "handler = get_rendezvous_handler(RendezvousParameters(backend='c10d', endpoint=sys.argv[1], run_id='r',\n"
+    "                                                      min_nodes=1, max_nodes=1, is_host=True))\n"
+    "print(handler.use_agent_store)\n"
+)
+
+
+def test_a_c10d_agent_where_this_package_is_installed_hosts_a_worker_store_per_round_too(monkeypatch):
+    # Deliberately global (see plugin._per_round_worker_store): torch's shared store breaks the
+    # restart of a killed worker under --standalone / c10d.
+    monkeypatch.delenv(plugin.DISABLE_SHARED_STORE_ENV, raising=False)
+    result = subprocess.run(
+        [sys.executable, "-c", _C10D_USE_AGENT_STORE, f"127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 def test_importing_the_package_and_plugin_does_not_import_grpc_or_etcd3():
     out = _python(
         "import sys, elastic_ddp.rendezvous, elastic_ddp.rendezvous.plugin\n"
@@ -264,6 +315,29 @@ def test_two_torchrun_agents_rendezvous_and_all_reduce(backend, etcd_endpoint, e
         # not have run), and the job closed it when it finished.
         record = etcd_client.get(f"{plugin.DEFAULT_KEY_PREFIX}/{run_id}/round")
         assert record is not None and b'"closed":true' in record.value
+    finally:
+        for node in nodes:
+            node.cleanup()
+
+
+@pytest.mark.slow
+def test_agents_started_seconds_apart_form_one_round(etcd_endpoint, etcd_client, tmp_path):
+    # torch's test_launch_elastic_multiple_agents: the second agent starts ~3 s after the first.
+    # The first round's last call (first_round_timeout, 30 s) waits for it; a 2 s last call would
+    # have started the first alone, and admitting the second would cost a restart.
+    run_id = f"skew-{uuid.uuid4().hex[:8]}"
+    cmd = _torchrun("etcd", etcd_endpoint, run_id, nnodes="1:2")
+    first = start_node(cmd, _env(), tmp_path / "node0.log")
+    nodes = [first]
+    try:
+        wait_for(lambda: "has its minimum of 1 node(s)" in first.output(), 60, what="the first round's last call")
+        time.sleep(3)
+        nodes.append(start_node(cmd, _env(), tmp_path / "node1.log"))
+        codes = [node.wait(timeout=180) for node in nodes]
+        outputs = [node.output() for node in nodes]
+        assert codes == [0, 0], "\n\n".join(outputs)
+        lines = [l for out in outputs for l in out.splitlines() if "RDZV_WORKER" in l]
+        assert len(lines) == 2 and all("world_size=2 sum=2" in l for l in lines), "\n\n".join(outputs)
     finally:
         for node in nodes:
             node.cleanup()

@@ -822,10 +822,17 @@ class LeaseKeeper:
                 log.warning("Refreshing etcd lease %x failed; will retry.", lease_id, exc_info=True)
 
     def close(self, revoke: bool = False) -> None:
-        """Stop refreshing; with ``revoke`` also delete the lease and its keys now."""
+        """Stop refreshing and end the refresh thread; with ``revoke`` also delete the lease and its
+        keys now. Returns within about two request timeouts even when etcd is unreachable (a
+        refresh in flight, then the revocation); a lease that could not be revoked expires after
+        its TTL."""
         self._stop.set()
         with self._lock:
             lease_id, self._lease_id = self._lease_id, None
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # A refresh in flight ends within the client's timeout; the thread then sees the stop.
+            thread.join(self._client.timeout + 1.0)
         if revoke and lease_id is not None:
             try:
                 self._client.revoke_lease(lease_id)
@@ -1119,10 +1126,16 @@ class LeaseKeepAlive:
             self._leases.pop(lease_id, None)
 
     def close(self) -> None:
+        """Stop renewing and end the thread (a renewal in flight ends within ``deadline``); the
+        leases themselves are the caller's to revoke."""
         with self._lock:
             self._closed = True
             self._leases.clear()
             self._lock.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # The watchdog cancels a renewal stuck past its deadline (checked every 0.25 s).
+            thread.join(self._deadline + 1.0)
 
     def _run(self) -> None:
         while True:

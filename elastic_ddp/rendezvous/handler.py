@@ -48,12 +48,24 @@ full, closing at shutdown):
    compare-and-set) and raises :class:`InvalidSettingsError` with it, which torchrun prints last
    and exits 1 with. The other nodes see the closed record through their watch: their
    ``num_nodes_waiting()`` asks for a new round too, and their join raises the same error.
+6. **A round after a failure waits for no dead node.** Each agent listens on a port of its own
+   and names it in its registration (:mod:`elastic_ddp.rendezvous.liveness`). The node that
+   starts a round's last call probes the previous round's nodes that have not come over: a
+   refused connection (the agent is gone) removes that node's registration, so the round
+   completes as soon as every surviving node is back, without waiting out the last call or the
+   dead node's lease. At most ``_PROBE_LIMIT`` nodes are probed at a time, by one node: O(1)
+   connections and one read per probe, whatever the job's size.
+7. **The first round waits for the start-up skew of a cluster**: its last call lasts
+   ``first_round_timeout`` (torch's 30 s; it ends at once when ``max_nodes`` registered), so nodes
+   started seconds apart form one round instead of costing the job one restart each; later
+   rounds use ``last_call_timeout``.
 """
 
 from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import logging
 import os
 import random
@@ -84,6 +96,7 @@ from elastic_ddp.rendezvous.client import (
 from elastic_ddp.rendezvous.rounds import (
     COMPLETE, LAST_CALL, MAX_REASON_LENGTH, OPEN, RoundRecord, Seen, Step, decide, node_key,
 )  # fmt: skip
+from elastic_ddp.rendezvous.liveness import LivenessListener, parse_address, probe
 from elastic_ddp.rendezvous.store import EtcdV3Store
 from elastic_ddp.rendezvous.view import RoundView, RunKeys, Snapshot, run_lease_id
 
@@ -105,6 +118,14 @@ _PREVIOUS_RECHECK_S = 1.0
 # does before its first round: of 1,000 nodes starting together, most then see the record the
 # first one created (through their watch) instead of each sending a transaction that fails.
 _CREATE_JITTER_S = 0.3
+# The node that called a round probes the previous round's stragglers this long after its call
+# (the live ones are moving over meanwhile), then every _PROBE_INTERVAL_S; at most _PROBE_LIMIT
+# of them (more left means the others are still stopping their workers: nothing to decide yet),
+# each for at most _PROBE_TIMEOUT_S.
+_PROBE_DELAY_S = 0.1
+_PROBE_INTERVAL_S = 0.5
+_PROBE_LIMIT = 64
+_PROBE_TIMEOUT_S = 0.5
 
 
 class InvalidSettingsError(RendezvousClosedError):
@@ -120,8 +141,10 @@ class HandlerSettings:
     """Everything the handler needs besides its etcd client and store (see the plugin for the
     rdzv_conf keys and defaults).
 
-    ``lease_ttl``: seconds a node stays registered after its last renewal (the time to notice a
-    dead node); ``keep_alive_interval``: seconds between renewals; ``keep_alive_deadline``: the
+    ``last_call_timeout``: how long a round after the first waits, once it has ``min_nodes``, for
+    nodes it cannot account for; ``first_round_timeout``: the same for a run's first round (the
+    start-up skew of a cluster's nodes); ``lease_ttl``: seconds a node stays registered after its
+    last renewal (the time to notice a dead node that cannot be probed); ``keep_alive_interval``: seconds between renewals; ``keep_alive_deadline``: the
     longest one renewal may take before the next member is tried; ``run_ttl``: seconds the round
     record outlives the last node of the run.
     """
@@ -132,6 +155,7 @@ class HandlerSettings:
     key_prefix: str
     join_timeout: float = 600.0
     last_call_timeout: float = 2.0
+    first_round_timeout: float = 30.0
     close_timeout: float = 10.0
     keep_alive_interval: float = 1.0
     lease_ttl: int = 5
@@ -154,7 +178,8 @@ class HandlerSettings:
                 f"least 2 s and longer than keep_alive_interval ({self.keep_alive_interval} s), or a node would be "
                 "dropped between two renewals."
             )
-        for name in ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_deadline"):
+        for name in ("join_timeout", "last_call_timeout", "first_round_timeout", "close_timeout", "keep_alive_interval",
+                     "keep_alive_deadline"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"The rendezvous setting '{name}' ({getattr(self, name)}) must be positive.")
 
@@ -168,6 +193,8 @@ class _Knowledge:
     rejected: int | None = None
     size: tuple[int, int, int] | None = None  # (round, members, registrations at completion)
     last_call: tuple[int, int, float] | None = None  # (round, record revision, due)
+    calling: int | None = None  # the round whose last call this node started (it probes for it)
+    next_probe: float = 0.0  # monotonic
     spare: bool = False
     create_delayed: bool = False
     deadline: float = 0.0  # monotonic; the join timeout's (a spare that may take part gets a new one)
@@ -177,7 +204,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     """See the module docstring. torchrun creates it through the plugin's ``create_rdzv_handler``.
 
     Args:
-        client: The etcd client; shared with ``store``, closed by neither.
+        client: The etcd client, shared with ``store``; the handler owns both and closes them when
+            it leaves (:meth:`leave`).
         store: The c10d store of the run (under ``<prefix>/<run>/store/``); each round's
             agents see it through a ``PrefixStore`` of that round.
         settings: Timeouts, liveness and the key prefix.
@@ -207,6 +235,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._stream = WatchStream(client, name=f"rdzv-watch-{local_id}")
         self._view = RoundView(client, self._keys, self._stream)
         self._keep_alive = LeaseKeepAlive(client, settings.keep_alive_deadline, name=f"rdzv-keep-alive-{local_id}")
+        try:
+            self._liveness: LivenessListener | None = LivenessListener(self._addr)
+        except OSError as exc:  # the others then notice this node's death by its lease, as before
+            log.warning("The node '%s' cannot listen for liveness probes (%s).", self._node_text, exc)
+            self._liveness = None
+        registration = {"node": self._node_text, **({"probe": self._liveness.address} if self._liveness else {})}
+        self._registration = json.dumps(registration, separators=(",", ":"))
         self._lock = threading.Lock()
         self._lease: int | None = None
         self._lease_lost = False  # this node's lease ended (renewals starved or etcd unreachable)
@@ -333,7 +368,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         """Close the rendezvous (with a worker's settings error as the reason, if one was reported),
-        then leave it (revoke this node's lease); False if closing failed."""
+        then leave it and release what the handler holds (see :meth:`leave`); False if closing
+        failed.
+
+        One difference from :meth:`leave`: when other nodes were members of this node's last round,
+        the store's lease is left to expire (``DEFAULT_STORE_LEASE_TTL`` after its keeper stopped)
+        instead of being revoked. torch's agent shuts down after its exit barrier, and the others may
+        still be waiting in theirs for barrier keys this node wrote under that lease; revoking it
+        could delete them before they are read, and those nodes would then wait out the whole
+        barrier timeout (300 s).
+        """
         if self._finished:
             return True
         try:
@@ -345,17 +389,29 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         self._settings.run_id, exc)  # fmt: skip
             return False
         finally:
-            self.leave()
+            self._leave(revoke_store=self._joined_total <= 1)
 
     def leave(self) -> None:
-        """Revoke this node's lease, so its registration is gone at once, and stop the background
-        threads. Idempotent; the handler cannot join again afterwards."""
+        """Revoke this node's lease, so its registration is gone at once, and release everything the
+        handler holds: its threads, the store's lease (with the store's keys written by this node),
+        a shared TCPStore it hosts and the etcd connection. Idempotent; the handler cannot join
+        again afterwards.
+
+        Bounded when etcd is unreachable: each revocation waits at most the request timeout
+        (``read_timeout``), and once one found etcd unreachable the other is not tried; the leases
+        then expire on their own.
+        """
+        self._leave(revoke_store=True)
+
+    def _leave(self, revoke_store: bool) -> None:
         if self._finished:
             return
         self._finished = True
         self._view.close()
         self._keep_alive.close()
         self._stream.close()
+        if self._liveness is not None:
+            self._liveness.close()
         if self._settings_error_dir and os.environ.get(ENV_SETTINGS_ERROR_DIR) == self._settings_error_dir:
             os.environ.pop(ENV_SETTINGS_ERROR_DIR, None)
             os.environ.pop(ENV_AGENT_PID, None)
@@ -363,13 +419,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
             shutil.rmtree(self._settings_error_dir, ignore_errors=True)
         with self._lock:
             lease, self._lease = self._lease, None
+        reachable = True
         if lease is not None:
             try:
                 self._client.revoke_lease(lease)
                 log.info("The node '%s' left the rendezvous '%s'.", self._node_text, self._settings.run_id)
             except EtcdError as exc:
+                reachable = not isinstance(exc, EtcdConnectionError)
                 log.warning("The node '%s' could not leave the rendezvous at once (%s); the others notice within %d s.",
                             self._node_text, exc, self._settings.lease_ttl)  # fmt: skip
+        self._store.close(revoke=revoke_store and reachable)
+        self._shared_tcp_store_server = None  # its server thread ends with it; no worker is left to use it
+        self._client.close()
 
     # -- joining -------------------------------------------------------------------------------
 
@@ -457,8 +518,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self._wait(snap, min(_PREVIOUS_RECHECK_S, max(known.deadline - time.monotonic(), 0.0)))
                 self._recount(record, known)
             elif step is Step.WAIT:
-                wake = min(known.deadline, due if due is not None else known.deadline) - time.monotonic()
-                self._wait(snap, min(max(wake, 0.0), _MAX_WAIT_S))
+                probing = known.calling == record.round and record.previous and record.state == LAST_CALL
+                if probing and now >= known.next_probe:
+                    known.next_probe = now + _PROBE_INTERVAL_S
+                    if self._probe_previous(record, known):
+                        return None  # decide again with the new counts
+                wake = min(known.deadline, due if due is not None else known.deadline)
+                if probing:
+                    wake = min(wake, known.next_probe)
+                self._wait(snap, min(max(wake - time.monotonic(), 0.0), _MAX_WAIT_S))
             elif step is Step.WAIT_REDUNDANT:
                 if self._registered != record.round and not self._register_as_spare(snap, known):
                     return None  # the record moved on: decide again
@@ -524,7 +592,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             known.last_call = None
             return None
         if known.last_call is None or known.last_call[:2] != (record.round, snap.mod_revision):
-            stand_in = self._settings.last_call_timeout + self._settings.lease_ttl + random.uniform(0, 1.0)
+            stand_in = self._last_call_timeout(record) + self._settings.lease_ttl + random.uniform(0, 1.0)
             known.last_call = (record.round, snap.mod_revision, now + stand_in)
         return known.last_call[2]
 
@@ -566,7 +634,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._registered is not None and self._registered != round_:
             ops.append(DeleteRange(self._keys.join(self._registered, self._node)))
         lease = self._ensure_lease()
-        ops.append(Put(self._keys.join(round_, self._node), self._node_text, lease))
+        ops.append(Put(self._keys.join(round_, self._node), self._registration, lease))
         ops.extend(self._count_ops(round_, previous))
         return ops
 
@@ -639,7 +707,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         ops: list = []
         if self._registered is not None:
             ops.append(DeleteRange(self._keys.join(self._registered, self._node)))
-        ops.append(Put(self._keys.join(round_, self._node), self._node_text, self._ensure_lease()))
+        ops.append(Put(self._keys.join(round_, self._node), self._registration, self._ensure_lease()))
         result = self._client.txn([Compare.mod_revision(self._keys.round, snap.mod_revision)], ops, [Range(self._keys.round)])
         self._apply(result, None)
         if result.succeeded:
@@ -664,12 +732,37 @@ class EtcdRendezvousHandler(RendezvousHandler):
         )
         self._apply(result, record)
         if result.succeeded:
-            due = time.monotonic() + self._settings.last_call_timeout
-            known.last_call = (record.round, result.revision, due)
+            now = time.monotonic()
+            known.last_call = (record.round, result.revision, now + self._last_call_timeout(record))
+            known.calling, known.next_probe = record.round, now + _PROBE_DELAY_S
             log.info("Round %d of the rendezvous '%s' has its minimum of %d node(s); it completes within %g s, at "
                      "once when %d nodes registered%s.", record.round, self._settings.run_id, self._settings.min_nodes,
-                     self._settings.last_call_timeout, self._settings.max_nodes,
-                     f" or every node of round {record.round - 1} is back" if record.previous else "")  # fmt: skip
+                     self._last_call_timeout(record), self._settings.max_nodes,
+                     f" or every live node of round {record.round - 1} is back" if record.previous else "")  # fmt: skip
+
+    def _last_call_timeout(self, record: RoundRecord) -> float:
+        """The first round of a run waits for the start-up skew of its nodes, later ones do not."""
+        return self._settings.last_call_timeout if record.previous else self._settings.first_round_timeout
+
+    def _probe_previous(self, record: RoundRecord, known: _Knowledge) -> bool:
+        """Remove the registrations left in the round before ``record`` whose agent is gone (see
+        :mod:`elastic_ddp.rendezvous.liveness`) and count again; True when some were removed."""
+        left = self._client.range(Range.prefix(self._keys.joins(record.round - 1), limit=_PROBE_LIMIT + 1))
+        if not left.kvs or len(left.kvs) > _PROBE_LIMIT:
+            return False
+        addresses = {kv.key: address for kv in left.kvs if (address := _probe_address(kv.value)) is not None}
+        gone = probe(addresses, _PROBE_TIMEOUT_S)
+        if not gone:
+            return False
+        # Only a key as it was probed is removed: a node that re-registered since is not touched.
+        by_key = {kv.key: kv for kv in left.kvs}
+        for key in gone:
+            self._client.txn([Compare.mod_revision(key, by_key[key].mod_revision)], [DeleteRange(key)])
+        log.info("Round %d of the rendezvous '%s': %d node(s) of round %d refuse connections (their agent is gone); "
+                 "the round no longer waits for them.", record.round, self._settings.run_id, len(gone),
+                 record.round - 1)  # fmt: skip
+        self._recount(record, known)
+        return True
 
     def _complete(self, snap: Snapshot, known: _Knowledge) -> None:
         round_ = snap.record.round
@@ -830,3 +923,11 @@ def _leave_at_exit(handler_ref: weakref.ref) -> None:
         handler.leave()
     except Exception as exc:  # noqa: BLE001 - the lease expires by itself anyway
         log.warning("Could not leave the rendezvous at exit (%s); the others notice when the lease expires.", exc)
+
+
+def _probe_address(value: bytes) -> tuple[str, int] | None:
+    """Where a registration's agent answers liveness probes; None when it names none."""
+    try:
+        return parse_address(str(json.loads(value)["probe"]))
+    except (ValueError, TypeError, KeyError):
+        return None

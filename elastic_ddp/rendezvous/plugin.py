@@ -13,13 +13,15 @@ Recovery defaults -- what bounds "SIGKILL of one node -> survivors train again" 
 1. The survivors' workers fail at once (gloo sees the peer's sockets close); each agent notices
    within its monitor interval (0.1 s) and asks for a new round. Death of the lost node does not
    have to be detected first: it simply never registers for the new round.
-2. Once ``min_nodes`` registered, the round waits ``last_call_timeout`` (torch: 30 s) for more
-   unless ``max_nodes`` registered. 2 s is enough for nodes already restarting together (they
-   re-register within ~0.5 s of each other); a node joining later causes one more round (the
-   others see it waiting), which is the normal scale-up.
-3. The workers restart (interpreter + torch import + process group init: ~3-4 s here).
+2. The round completes as soon as every node of the previous round is back, except those whose
+   agent refuses a liveness probe (the handler's point 6): no fixed wait when the lost node's host
+   still runs. A node that cannot be probed (its host is down) is waited for ``last_call_timeout``
+   (torch: 30 s; 2 s here: nodes already restarting together re-register within ~0.5 s of each
+   other). A run's first round waits ``first_round_timeout`` (torch's 30 s) for nodes started
+   seconds apart, unless ``max_nodes`` registered.
+3. The workers restart (interpreter + torch import + process group init: ~2 s here).
 
-That is ~0.1 + 2 + 4 = ~6-7 s against ~46 s with torch's defaults and c10d.
+The phases of a recovery are measured by ``benchmarks/bench_recovery.py``.
 
 A node that dies while its group does not notice (no collective running, or an NCCL hang) is
 seen through its lease: it ends ``keep_alive_interval * keep_alive_max_attempt`` = 1 s * 5 = 5 s
@@ -39,7 +41,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousHandler, RendezvousParameters
 
 if TYPE_CHECKING:  # pragma: no cover
     from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
@@ -53,6 +55,7 @@ __all__ = [
     "DEFAULT_HEARTBEAT_TIMEOUT",
     "DEFAULT_KEEP_ALIVE_INTERVAL",
     "DEFAULT_KEEP_ALIVE_MAX_ATTEMPT",
+    "DEFAULT_FIRST_ROUND_TIMEOUT",
     "DEFAULT_LAST_CALL_TIMEOUT",
     "DEFAULT_READ_TIMEOUT",
     "PASSWORD_ENV",
@@ -80,6 +83,7 @@ DEFAULT_KEY_PREFIX = "/elastic_ddp/rendezvous"
 DEFAULT_KEEP_ALIVE_INTERVAL = 1  # torch: 5 s; seconds between lease renewals
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5  # torch: 3; lease TTL = 1 s * 5: a silent node is gone after 5 s
 DEFAULT_LAST_CALL_TIMEOUT = 2  # torch: 30 s
+DEFAULT_FIRST_ROUND_TIMEOUT = 30  # torch's last call, which it uses for every round
 DEFAULT_HEARTBEAT_TIMEOUT = 5  # torch: 5 s; the longest one renewal may take (capped at TTL / 2)
 DEFAULT_CLOSE_TIMEOUT = 10  # torch: 30 s; time to mark the rendezvous closed at shutdown
 DEFAULT_JOIN_TIMEOUT = 600  # torch's
@@ -104,9 +108,10 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "user": ("user",),
 }
 # Keys torch's handler reads, or torchrun itself adds ("timeout": its legacy join timeout, always
-# set; "rank": --node-rank), accepted and passed through.
+# set; "rank": --node-rank), accepted and passed through; and this handler's own timing keys.
 _TORCH_KEYS = frozenset(
-    {"join_timeout", "timeout", "rank", "is_host", "local_addr", "heartbeat", *_HANDLER_DEFAULTS}
+    {"join_timeout", "timeout", "rank", "is_host", "local_addr", "heartbeat", "first_round_timeout",
+     *_HANDLER_DEFAULTS}
 )
 
 
@@ -216,9 +221,40 @@ def create_client(params: RendezvousParameters) -> EtcdClient:
             password=password,
         )
     except EtcdError as exc:  # only authentication contacts etcd here
-        from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+        raise _first_request_failed(params, exc) from exc
 
-        raise RendezvousConnectionError(f"The connection to etcd at {endpoint} has failed: {exc}") from exc
+
+def _first_request_failed(params: RendezvousParameters, exc: Exception) -> RendezvousConnectionError:
+    """The error for an etcd that did not answer (or refused) the first request of a backend or
+    handler; ``exc`` (the client's error) names the endpoints tried and the cause."""
+    return RendezvousConnectionError(
+        f"The etcd-v3 rendezvous expected an etcd v3 server accepting its requests at --rdzv-endpoint "
+        f"{params.endpoint!r}, but the first request failed (read_timeout {_read_timeout(params):g} s): {exc}"
+    )
+
+
+def _connected_client(params: RendezvousParameters) -> EtcdClient:
+    """:func:`create_client`, checked to reach etcd, as torch's own etcd backends do when created.
+
+    A wrong ``--rdzv-endpoint`` or an etcd that is down then fails torchrun at start-up with one
+    error naming the endpoints, not later at the first rendezvous step. With a ``user`` the
+    authentication in :func:`create_client` is that check; without, one point read of the run's
+    prefix (the key need not exist). It takes at most ``read_timeout`` (default 10 s); a refused
+    connection fails in about 1.5 s, once every endpoint was tried.
+
+    Raises:
+        RendezvousConnectionError: etcd did not answer or refused the request.
+    """
+    from elastic_ddp.rendezvous.client import EtcdError
+
+    client = create_client(params)
+    if _conf(params, "user") is None:
+        try:
+            client.get(f"{_key_prefix(params)}/{params.run_id}/")
+        except EtcdError as exc:
+            client.close()  # else gRPC keeps redialling the endpoints in the background
+            raise _first_request_failed(params, exc) from exc
+    return client
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
@@ -229,8 +265,10 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     it serves tens of nodes, not hundreds (see docs/rendezvous.md).
 
     ``params.endpoint`` is a comma-separated list of ``host[:port]`` (port 2379 by default,
-    ``localhost:2379`` if empty); requests fail over between them. Connection options, shared
-    with :func:`create_rdzv_handler`:
+    ``localhost:2379`` if empty); requests fail over between them. Both this and
+    :func:`create_rdzv_handler` make one request to etcd before returning and raise
+    ``RendezvousConnectionError`` naming the endpoints when it fails (at most ``read_timeout``).
+    Connection options, shared with :func:`create_rdzv_handler`:
 
     +---------------------------+--------------------------------------------------------------+
     | rdzv_conf key (aliases)   | Meaning and default                                          |
@@ -253,7 +291,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
     from elastic_ddp.rendezvous.store import EtcdV3Store
 
-    client = create_client(params)
+    client = _connected_client(params)
     prefix = _key_prefix(params)
     # torch checks that the handler's backend name equals the requested --rdzv-backend.
     name = params.backend if params.backend in ("etcd", "etcd-v3") else "etcd-v3"
@@ -306,6 +344,7 @@ def handler_settings(params: RendezvousParameters) -> HandlerSettings:
         key_prefix=_key_prefix(params),
         join_timeout=_seconds(params, "join_timeout") or DEFAULT_JOIN_TIMEOUT,
         last_call_timeout=_seconds(params, "last_call_timeout") or DEFAULT_LAST_CALL_TIMEOUT,
+        first_round_timeout=_seconds(params, "first_round_timeout") or DEFAULT_FIRST_ROUND_TIMEOUT,
         close_timeout=_seconds(params, "close_timeout") or DEFAULT_CLOSE_TIMEOUT,
         keep_alive_interval=interval,
         lease_ttl=ttl,
@@ -325,8 +364,11 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     | rdzv_conf key                | Meaning and default                                       |
     +==============================+===========================================================+
     | join_timeout                 | Seconds to wait for a round with this node. 600.          |
-    | last_call_timeout            | Seconds a round waits for more nodes once ``min_nodes``   |
-    |                              | registered (none once ``max_nodes`` did). 2 (torch: 30).  |
+    | last_call_timeout            | Seconds a round after the first waits, once ``min_nodes`` |
+    |                              | registered, for nodes it cannot account for (none once    |
+    |                              | ``max_nodes`` did, or every live node is back). 2.        |
+    | first_round_timeout          | The same for a run's first round: the start-up skew of    |
+    |                              | the nodes of a cluster. 30 (torch's last call).           |
     | close_timeout                | Seconds to mark the rendezvous closed at shutdown. 10.    |
     | keep_alive_interval          | Seconds between lease renewals. 1 (torch: 5).             |
     | keep_alive_max_attempt       | Renewals a node may miss: its lease TTL is                |
@@ -343,7 +385,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     configure_logging("agent")
     params = _with_recovery_defaults(params)
     settings = handler_settings(params)  # every option is checked before a connection is made
-    client = create_client(params)
+    client = _connected_client(params)
     store = EtcdV3Store(client, f"{settings.key_prefix}/{params.run_id}/store/")
     _per_round_worker_store()  # also done by the entry points; here for callers that skip them
     name = params.backend if params.backend in ("etcd", "etcd-v3") else "etcd-v3"
@@ -352,17 +394,25 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
 
 def _per_round_worker_store() -> None:
     """Make every rendezvous round of this process's agent host a fresh worker store, unless the
-    user chose otherwise by setting :data:`DISABLE_SHARED_STORE_ENV` themselves.
+    user chose otherwise by setting :data:`DISABLE_SHARED_STORE_ENV` themselves (``0`` keeps
+    torch's shared store).
 
-    torch's shared worker TCPStore lives in the agent that was rank 0 of the first round, and the
-    other agents cache its address. With ``--standalone`` or ``c10d`` a killed worker's restart
-    then fails (``Gloo connectFullMesh failed ... Connection refused``) until every restart is
-    spent; across nodes, a membership change can leave a round with an address no one serves.
-    Without sharing, each round's rank-0 worker hosts a fresh store, so no node stays a single
-    point of failure. The entry-point loaders call this: torch loads every ``torchrun.handlers``
-    entry point when its handler registry is imported, before any rendezvous, whatever
-    ``--rdzv-backend`` names -- so the setting reaches every agent that has this package
-    installed, and its workers through the environment they inherit.
+    Deliberately process-wide, torch's own ``c10d`` handler (``--standalone``) included. torch's
+    shared worker TCPStore lives in the agent that was rank 0 of the first round and keeps its keys
+    across restarts: a restarted group's gloo reads the dead workers' addresses and fails (``Gloo
+    connectFullMesh failed ... Connection refused``) until every restart is spent -- the recipes'
+    ``torchrun --standalone`` could not recover a killed worker (torch 2.13) -- and across nodes a
+    membership change can leave a round with an address no one serves. Without sharing, each
+    round's rank-0 worker hosts a fresh store, so no node stays a single point of failure.
+
+    torch reads the variable only through its handler: ``use_agent_store`` whenever the agent starts
+    workers (exported to them as ``TORCHELASTIC_USE_AGENT_STORE``) and ``next_rendezvous`` at every
+    round. For this package's handler :func:`create_rdzv_handler` is early enough, and calls this
+    too. In a ``c10d`` agent, though, no code of this package runs but the entry-point loaders
+    (torch loads every ``torchrun.handlers`` entry point when its handler registry is imported,
+    whatever ``--rdzv-backend`` names), so they call it: every torchrun agent in an environment
+    with this package installed -- like any process importing torch's rendezvous package -- runs
+    without the shared store, and its workers inherit the setting.
     """
     os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")
 

@@ -54,6 +54,11 @@ def resumed_steps(output: str) -> list[int]:
     return [int(m[2]) for m in RESUMED_LINE.finditer(output)]
 
 
+# The nodes of a test start together on one machine: a run's first round need not wait out a
+# cluster's start-up skew (first_round_timeout, 30 s by default) for nodes a test starts later.
+TEST_RDZV_CONF = "--rdzv-conf=first_round_timeout=2"
+
+
 @dataclass
 class Job:
     """``torchrun`` agents of one run; start nodes with :meth:`add_node`, clean up with :meth:`cleanup`."""
@@ -81,7 +86,7 @@ class Job:
         return [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
-            "--rdzv-backend=etcd", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
+            "--rdzv-backend=etcd", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}", TEST_RDZV_CONF,
             *self.torchrun_flags, *torchrun_flags,
             str(self.recipe), f"--run.root={self.root}", f"--run.name={self.run_id}",
             *(TINY if self.recipe == RECIPE else TINY_CLASSIFIER), *self.flags, *flags,
