@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -99,6 +100,21 @@ def attempt_id(environ: Mapping[str, str] | None = None) -> str:
     if nodes.isdigit() and int(nodes) > 1:
         return store
     return f"{store}/{env.get(ENV_RESTART_COUNT, '0')}"
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux ``/proc``, to 0.01 s); None where unknown.
+
+    What a restart spends before the script's first line (interpreter, imports) is only seen from
+    the process's own start.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            started_ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])  # field 22 of stat(5)
+        with open("/proc/uptime") as uptime:
+            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _free_port() -> int:
@@ -196,16 +212,20 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     else:
         device = torch.device("cpu")
 
+    group_started = time.monotonic()
     dist.init_process_group(
         backend=backend,
         timeout=timedelta(seconds=cfg.timeout_s),
         device_id=device if backend == "nccl" else None,
     )
+    group_s = time.monotonic() - group_started
     restart_count = int(os.environ.get(ENV_RESTART_COUNT, "0"))
+    age = process_age_s()
     log.info(
-        "Rank %d of world size %d on %s (%s); torchrun restart %d of at most %s, rendezvous round %s.",
+        "Rank %d of world size %d on %s (%s); torchrun restart %d of at most %s, rendezvous round %s; ready %s after "
+        "its process started (process group %.2f s).",
         rank, world_size, device, backend, restart_count, os.environ.get(ENV_MAX_RESTARTS, "0"),
-        os.environ.get(ENV_RDZV_ROUND, "-"),
+        os.environ.get(ENV_RDZV_ROUND, "-"), "?" if age is None else f"{age:.2f} s", group_s,
     )  # fmt: skip
     return DistContext(
         rank=rank,
