@@ -70,7 +70,7 @@ from elastic_ddp.config import Config, ConfigError, identity_differences, load_c
 from elastic_ddp.ddp_buckets import stabilize_buckets
 from elastic_ddp.data import (
     ORDER_VERSION, DataCursor, ElasticSampler, MicroBatch, StepBatch, StepBatches, StepLedger, check_dataset,
-    derive_seed, to_device,
+    check_same_dataset, dataset_fingerprint, derive_seed, to_device,
 )  # fmt: skip
 from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo_group, shutdown_distributed
 from elastic_ddp.failures import FailureReport, RecurringFailureError
@@ -512,7 +512,9 @@ class Run:
         Each step holds this rank's share of the next ``train.global_batch_size`` samples, split into
         micro-batches of at most ``train.micro_batch_size`` and batched by ``collate_fn`` (default
         ``torch.utils.data.default_collate``). ``fingerprint`` (optional) names the dataset's contents;
-        a resume over a dataset with another fingerprint or size is refused. The loop ends by itself at
+        without it, a dataset's own ``_fingerprint`` does (a Hugging Face ``datasets.Dataset``'s, see
+        :func:`~elastic_ddp.data.dataset_fingerprint`). A resume over a dataset with another fingerprint
+        or size is refused, and so is a start where the ranks' datasets differ. The loop ends by itself at
         ``train.max_steps``, ``train.exit_at_step`` or a stop request, after a blocking checkpoint; leaving
         it early (``break``) is an error, since the steps since the last checkpoint would be lost.
         """
@@ -522,7 +524,9 @@ class Run:
             raise RunError("run.steps() can run once per worker; the run's end is the process's end.")
         self._looped = True
         where = self._resume_source or "(none)"
-        self._data.bind(check_dataset(dataset), fingerprint, where)
+        num_samples, fingerprint = check_dataset(dataset), dataset_fingerprint(dataset, fingerprint)
+        check_same_dataset(num_samples, fingerprint, self._control)
+        self._data.bind(num_samples, fingerprint, where)
         return self._loop(dataset, collate_fn)
 
     def _loop(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> Iterator[Step]:

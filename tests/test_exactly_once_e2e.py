@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from elastic_ddp.checkpoint import cli as ckpt_cli
-from elastic_ddp.data import DataCursor, ElasticSampler, LedgerStep, read_ledger
+from elastic_ddp.data import DataCursor, ElasticSampler, LedgerStep, exactly_once_problems, read_ledger
 from elastic_ddp.lm import ByteWindows, CorpusConfig, load_corpus
 from tests.helpers.job import Job, resumed_steps, steps
 
@@ -91,13 +91,8 @@ def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def assert_each_sample_once_per_epoch(history: dict[int, LedgerStep], per_epoch: int) -> None:
-    assert list(history) == list(range(1, len(history) + 1)), f"steps missing or repeated: {list(history)}"
-    consumed = [i for entry in history.values() for i in entry.all_indices]
-    for start in range(0, len(consumed), per_epoch):
-        epoch = consumed[start : start + per_epoch]
-        assert len(set(epoch)) == len(epoch), f"a sample repeated in epoch {start // per_epoch}"
-        if len(epoch) == per_epoch:
-            assert sorted(epoch) == list(range(per_epoch)), f"samples skipped in epoch {start // per_epoch}"
+    problems = exactly_once_problems(history, per_epoch)
+    assert not problems, problems
 
 
 def expected_order(num_steps: int, per_epoch: int) -> list[list[int]]:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 import elastic_ddp.data.ledger as ledger_module
-from elastic_ddp.data import DataCursor, ElasticSampler, StepLedger, rank_slice, read_ledger
+from elastic_ddp.data import DataCursor, ElasticSampler, LedgerStep, StepLedger, exactly_once_problems, rank_slice, read_ledger
 from elastic_ddp.distributed import (
     ENV_GROUP_WORLD_SIZE,
     ENV_MASTER_ADDR,
@@ -222,3 +222,15 @@ def test_a_torn_line_is_an_error_naming_the_file_and_line(tmp_path):
 def test_no_ledger_is_file_not_found_saying_data_ledger_was_off(tmp_path):
     with pytest.raises(FileNotFoundError, match="was data.ledger enabled"):
         read_ledger(tmp_path)
+
+
+def test_the_exactly_once_verdict_names_what_is_wrong():
+    # 5 samples an epoch, 2 per step: step 3 crosses into the second epoch.
+    def history(*batches):
+        return {s: LedgerStep(s, 1, 0.0, {0: list(b)}) for s, b in enumerate(batches, start=1)}
+
+    assert exactly_once_problems(history([0, 1], [2, 3], [4, 0], [1, 2]), 5) == []
+    assert exactly_once_problems(history([0, 1], [1, 3], [4, 0]), 5) == ["epoch 0 consumed a sample more than once"]
+    assert exactly_once_problems(history([0, 1], [2, 3], [5, 0]), 5) == ["epoch 0 left samples out"]
+    skipped = {1: LedgerStep(1, 1, 0.0, {0: [0, 1]}), 3: LedgerStep(3, 1, 0.0, {0: [2, 3]})}
+    assert exactly_once_problems(skipped, 5) == ["the steps do not run 1..2 once each (missing: [2])"]

@@ -4,9 +4,10 @@ See docs/data.md for the guarantees (no sample repeated or skipped across restar
 changes) and for what they require of a dataset.
 """
 
-from elastic_ddp.data.ledger import LedgerStep, StepLedger, read_ledger
+from elastic_ddp.data.ledger import LedgerStep, StepLedger, exactly_once_problems, read_ledger
 from elastic_ddp.data.loader import (
-    MicroBatch, StepBatch, StepBatches, check_dataset, make_step_batch, micro_weight, to_device,
+    MicroBatch, StepBatch, StepBatches, check_dataset, check_same_dataset, dataset_fingerprint, make_step_batch,
+    micro_weight, read_samples, to_device,
 )  # fmt: skip
 from elastic_ddp.data.sampler import ORDER_VERSION, DataCursor, ElasticSampler, micro_batches, rank_bounds, rank_slice
 from elastic_ddp.data.seeds import derive_seed, sample_seeds
@@ -21,13 +22,17 @@ __all__ = [
     "StepBatches",
     "StepLedger",
     "check_dataset",
+    "check_same_dataset",
+    "dataset_fingerprint",
     "derive_seed",
+    "exactly_once_problems",
     "make_step_batch",
     "micro_batches",
     "micro_weight",
     "rank_bounds",
     "rank_slice",
     "read_ledger",
+    "read_samples",
     "sample_seeds",
     "to_device",
 ]

@@ -55,7 +55,7 @@ from typing import IO
 
 from elastic_ddp.distributed import attempt_id
 
-__all__ = ["LedgerStep", "StepLedger", "read_ledger"]
+__all__ = ["LedgerStep", "StepLedger", "exactly_once_problems", "read_ledger"]
 
 LEDGER_DIR = "ledger"
 
@@ -224,3 +224,28 @@ def _lineage(order: list[_Attempt]) -> dict[int, LedgerStep]:
         reached = [i for i in earlier if order[i].reach >= limit]
         index = (reached or earlier or [-1])[-1]
     return dict(sorted(history.items()))
+
+
+def exactly_once_problems(history: dict[int, LedgerStep], samples_per_epoch: int) -> list[str]:
+    """What is wrong with a job's history (:func:`read_ledger`) against "every step once, every
+    sample once per epoch"; empty when nothing is.
+
+    Steps must run 1, 2, ... without a gap; the samples the steps consumed, in order, cut into
+    epochs of ``samples_per_epoch``, must repeat none within an epoch and leave none out of a
+    complete one (the data order takes each epoch's samples in turn, a global batch crossing into
+    the next epoch where one ends).
+    """
+    problems = []
+    steps = list(history)
+    if steps != list(range(1, len(steps) + 1)):
+        seen = set(steps)
+        missing = [s for s in range(1, max(steps, default=0) + 1) if s not in seen]
+        problems.append(f"the steps do not run 1..{len(steps)} once each (missing: {missing[:10]})")
+    consumed = [i for entry in history.values() for i in entry.all_indices]
+    for start in range(0, len(consumed), samples_per_epoch):
+        epoch, number = consumed[start : start + samples_per_epoch], start // samples_per_epoch
+        if len(set(epoch)) != len(epoch):
+            problems.append(f"epoch {number} consumed a sample more than once")
+        elif len(epoch) == samples_per_epoch and sorted(epoch) != list(range(samples_per_epoch)):
+            problems.append(f"epoch {number} left samples out")
+    return problems

@@ -7,24 +7,30 @@ always ``cursor_after`` of the last step the loop completed.
 
 A step's global batch is split over the ranks (:func:`~elastic_ddp.data.sampler.rank_bounds`) and each
 rank's share into micro-batches; each micro-batch is ``collate_fn([dataset[i] for i in indices])``
-(``torch.utils.data.default_collate`` by default: tuples, dicts and tensors of samples batch as usual).
+(``torch.utils.data.default_collate`` by default: tuples, dicts and tensors of samples batch as usual),
+the samples read in one ``dataset.__getitems__(indices)`` call where the dataset has one (:func:`read_samples`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+import hashlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
 from elastic_ddp.data.sampler import DataCursor, ElasticSampler, micro_batches, rank_bounds
 from elastic_ddp.data.seeds import derive_seed, sample_seeds
 
-__all__ = ["MicroBatch", "StepBatch", "StepBatches", "check_dataset", "make_step_batch", "micro_weight"]
+__all__ = [
+    "MicroBatch", "StepBatch", "StepBatches", "check_dataset", "check_same_dataset", "dataset_fingerprint",
+    "make_step_batch", "micro_weight", "read_samples",
+]  # fmt: skip
 
 
 def check_dataset(dataset: Any) -> int:
@@ -35,7 +41,15 @@ def check_dataset(dataset: Any) -> int:
             "dataset (__len__ and __getitem__): the job's position is a cursor into a permutation of sample "
             "indices, which is what lets a resumed job, at any world size, continue with exactly the samples "
             "the interrupted one had not consumed. A stream cannot be indexed or restarted at a position. "
-            "Wrap the stream's records (files, shards, rows) in a map-style Dataset instead."
+            "Wrap the stream's records (files, shards, rows) in a map-style Dataset instead (a Hugging Face "
+            "dataset: load it without streaming=True)."
+        )
+    if isinstance(dataset, Mapping):
+        # A dict of splits (datasets.DatasetDict, what load_dataset returns without split=) has
+        # __len__ and __getitem__ too, but its keys are split names, not sample indices.
+        raise TypeError(
+            f"{type(dataset).__name__} is a mapping (keys {sorted(map(str, dataset))[:5]}), not a map-style "
+            "dataset whose sample i is dataset[i]. Pass one of its datasets, e.g. dataset['train']."
         )
     if not callable(getattr(dataset, "__getitem__", None)) or not callable(getattr(dataset, "__len__", None)):
         raise TypeError(
@@ -46,6 +60,84 @@ def check_dataset(dataset: Any) -> int:
     if size <= 0:
         raise ValueError(f"The dataset ({type(dataset).__name__}) is empty.")
     return size
+
+
+def dataset_fingerprint(dataset: Any, given: str = "") -> str:
+    """What a checkpoint stores to recognise ``dataset``'s contents when a job resumes over it.
+
+    ``given`` (``run.steps(dataset, fingerprint=...)``) when not empty. Otherwise the dataset's own
+    ``_fingerprint`` where it has one: a Hugging Face ``datasets.Dataset`` carries a hash of its source
+    data and of every transform applied since (``map``, ``filter``, ``select``, ``shuffle``,
+    ``with_format``, ...), the same in every process that builds the dataset the same way. Otherwise
+    ``""``: the resume then checks only the number of samples. A ``_fingerprint`` that is there but is
+    not a non-empty string raises ``TypeError``: the dataset says it has a fingerprint and none could
+    be read, and passing it as "no fingerprint" would let a resume continue over other contents.
+    """
+    if given:
+        return given
+    if not hasattr(dataset, "_fingerprint"):
+        return ""
+    own = dataset._fingerprint
+    if not isinstance(own, str) or not own:
+        raise TypeError(
+            f"{type(dataset).__name__}._fingerprint is {own!r}, not a non-empty string, so the checkpoint "
+            "could not recognise this dataset's contents on resume. Pass run.steps(dataset, "
+            "fingerprint='...') with a string that names the contents (a version, a hash of the files)."
+        )
+    return own
+
+
+def check_same_dataset(num_samples: int, fingerprint: str, group: Any = None) -> None:
+    """Raise ``ValueError`` unless every rank of ``group`` has ``num_samples`` and ``fingerprint`` (collective).
+
+    The data order is computed independently by each rank over its own copy of the dataset; copies
+    that differ (another local file on one node, another preprocessing) would silently break the
+    exactly-once promise. Nothing to do without a process group or with one rank.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    # One all-reduce of 16 bytes whatever the world size: the largest digest and the largest of
+    # their negations, equal up to sign only when every rank has the same one. The ranks are
+    # compared one by one only when they differ, to name them.
+    mine = int.from_bytes(hashlib.blake2b(f"{num_samples}\0{fingerprint}".encode(), digest_size=8).digest(), "big") >> 1
+    extremes = torch.tensor([mine, -mine], dtype=torch.int64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if int(extremes[0]) == -int(extremes[1]):
+        return
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (num_samples, fingerprint), group=group)
+    differing = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differing:
+        shown = "; ".join(
+            f"rank {rank}: {everyone[rank][0]} samples, fingerprint {everyone[rank][1]!r}" for rank in [0, *differing[:3]]
+        )
+        raise ValueError(
+            f"The ranks were given different datasets ({shown}). Every rank must see the same samples in the "
+            "same order of indices, or some samples are trained twice and others never. A Hugging Face dataset "
+            "transformed with a function or argument that `datasets` could not hash gets a random fingerprint "
+            "in each process (it logs \"couldn't be hashed properly, a random hash was used instead\"): make "
+            "it picklable, or pass run.steps(dataset, fingerprint='...') naming the contents."
+        )
+
+
+def read_samples(dataset: Any, indices: list[int]) -> list[Any]:
+    """``[dataset[i] for i in indices]``, read in one ``dataset.__getitems__(indices)`` call where there is one.
+
+    ``__getitems__`` is the batched read ``torch.utils.data.DataLoader`` uses: a Hugging Face dataset
+    then reads a micro-batch's rows from Arrow at once instead of one row at a time, and applies a
+    ``set_transform``/``with_transform`` function to the micro-batch as a whole. It must return one
+    sample per index, in order (``ValueError`` otherwise).
+    """
+    read_many = getattr(dataset, "__getitems__", None)
+    if not callable(read_many):
+        return [dataset[i] for i in indices]
+    samples = read_many(list(indices))
+    if len(samples) != len(indices):
+        raise ValueError(
+            f"{type(dataset).__name__}.__getitems__ returned {len(samples)} samples for {len(indices)} indices; "
+            "it must return one sample per index, in order."
+        )
+    return list(samples)
 
 
 def micro_weight(samples: int, world_size: int, global_batch_size: int) -> float:
@@ -133,14 +225,14 @@ def make_step_batch(
     mine = sampler.slice_at(cursor, start, stop)
     batches = []
     for chunk in micro_batches(mine, micro_batch_size):
-        data = collate_fn([dataset[i] for i in chunk])
+        data = collate_fn(read_samples(dataset, chunk))
         weight = micro_weight(len(chunk), world_size, sampler.global_batch_size)
         batches.append(MicroBatch(chunk, data, weight, step, sampler.seed))
     if not batches:
         # More ranks than samples: this rank still has to join DDP's all-reduce, or the others hang.
         # It forwards a real sample with weight 0, so its gradient contribution is exactly zero.
         chunk = sampler.slice_at(cursor, 0, 1)
-        data = collate_fn([dataset[i] for i in chunk])
+        data = collate_fn(read_samples(dataset, chunk))
         batches.append(MicroBatch(chunk, data, 0.0, step, sampler.seed, dummy=True))
     return StepBatch(step, mine, batches, sampler.advance(cursor, 1))
 
