@@ -167,7 +167,10 @@ class TimedProcess:
     (torchrun starts workers in sessions of their own), see :class:`tests.helpers.nodes.Node`.
     """
 
-    def __init__(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, log_path: Path | None = None) -> None:
+    def __init__(
+        self, cmd: Sequence[str], env: Mapping[str, str] | None = None, log_path: Path | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         from tests.helpers.nodes import Node
 
         self.cmd = list(cmd)
@@ -182,6 +185,7 @@ class TimedProcess:
             text=True,
             errors="replace",
             bufsize=1,
+            cwd=cwd,
         )
         self._node = Node(self._process, Path(log_path or os.devnull), None)
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed by the reader

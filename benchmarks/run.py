@@ -43,6 +43,7 @@ COMPARISONS = {
     "training": "benchmarks.bench_training",
     "metrics": "benchmarks.bench_metrics",
     "recovery": "benchmarks.bench_recovery",
+    "soak": "benchmarks.bench_soak",
     "grace": "benchmarks.bench_grace",
     "memory_tier": "benchmarks.bench_memory_tier",
     "memory_io": "benchmarks.bench_memory_io",

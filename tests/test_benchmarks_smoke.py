@@ -22,13 +22,13 @@ from benchmarks.run import COMPARISONS, RESULTS_MD  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_smoke_run_records_numbers_for_every_comparison_and_leaves_results_md_alone(tmp_path):
     before = RESULTS_MD.read_bytes() if RESULTS_MD.exists() else None
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "run.py"), "--smoke", "--out", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=380,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=580,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
