@@ -47,6 +47,7 @@ COMPARISONS = {
     "grace": "benchmarks.bench_grace",
     "memory_tier": "benchmarks.bench_memory_tier",
     "memory_io": "benchmarks.bench_memory_io",
+    "export": "benchmarks.bench_export",
 }
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 

@@ -5,7 +5,7 @@
 runs the same commands stand-alone.
 
 Exit status: 0 success, 1 a checkpoint failed verification, is not a checkpoint or does not hold
-what ``export`` was asked for (an object name, a rank), 2 usage.
+what ``export`` was asked for (an object name, a rank, an object the format can hold), 2 usage.
 Remote URLs use the standard AWS configuration (environment, profile, ``AWS_ENDPOINT_URL``).
 """
 
@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Any
 
-import torch
 
+from elastic_ddp.checkpoint import export as ex
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.errors import CheckpointError
 from elastic_ddp.checkpoint.catalog import (
@@ -32,7 +32,7 @@ from elastic_ddp.checkpoint.catalog import (
     verify_checkpoint,
 )
 from elastic_ddp.checkpoint.index import Index, IndexFormatError
-from elastic_ddp.checkpoint.sharded import describe_per_rank, read_state
+from elastic_ddp.checkpoint.sharded import describe_per_rank
 from elastic_ddp.checkpoint.storage import Storage, StorageError, normalize_url
 from elastic_ddp.checkpoint.tree import TreeError
 
@@ -56,18 +56,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     p_export = sub.add_parser(
         "export",
-        help="Write objects of a verified checkpoint (default: the model's weights) as plain torch.save files.",
+        help="Write objects of a verified checkpoint (default: the model's weights) as torch.save, safetensors or DCP.",
         description=(
             "Verify a checkpoint, then write the state dicts of the objects it holds -- by default the one named "
-            "'model' -- as plain torch.save files of tensors and plain values that torch.load(OUT, "
-            "weights_only=True) reads. One object: OUT is the file. Several --object, or --all: OUT is a "
-            "directory that gets one NAME.pt per object."
+            "'model'. --format torch (default): plain torch.save files of tensors and plain values that "
+            "torch.load(OUT, weights_only=True) reads. --format safetensors: the tensors only, keyed by their "
+            "paths joined with '.' (a model's state_dict keys); the plain values left out are listed. --format "
+            "dcp: a torch.distributed.checkpoint directory (torch.distributed.checkpoint.format_utils."
+            "dcp_to_torch_save converts it). One object: OUT is the file (a directory for dcp). Several "
+            "--object, or --all: OUT is a directory that gets one NAME.pt, NAME.safetensors or NAME/ per object."
         ),
     )
     p_export.add_argument("checkpoint_url", metavar="CHECKPOINT", help="A checkpoint directory.")
     p_export.add_argument(
-        "out", metavar="OUT", help="Output (local path): the file for one object, a directory of NAME.pt files for several."
-    )
+        "out", metavar="OUT",
+        help="Output (local path): the file (dcp: directory) for one object, a directory of them for several.",
+    )  # fmt: skip
     which = p_export.add_mutually_exclusive_group()
     which.add_argument(
         "--object", dest="objects", action="append", metavar="NAME",
@@ -78,6 +82,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p_export.add_argument(
         "--rank", type=int, default=0, metavar="R",
         help="For what differs across ranks (BatchNorm statistics, per-rank objects): rank R's values (default 0).",
+    )  # fmt: skip
+    p_export.add_argument(
+        "--format", choices=ex.FORMATS, default="torch",
+        help="torch (default): torch.save files; safetensors: tensors only (plain values are listed, not written); "
+        "dcp: torch.distributed.checkpoint directories.",
     )  # fmt: skip
     p_export.set_defaults(func=cmd_export)
     return parser
@@ -160,7 +169,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     problem, names = _chosen_objects(args, index, info)
     to_dir = args.all or len(names) > 1
     if problem is None:
-        problem = _check_rank(args.rank, index, info) or _check_out(args.out, to_dir=to_dir)
+        problem = _check_rank(args.rank, index, info) or _check_out(args.out, to_dir=to_dir, fmt=args.format)
+    skipped: list[str] = []
+    if problem is None and args.format == "safetensors":
+        problem, names, skipped = _safetensors_objects(index.as_shared(args.rank), names, info, every=args.all)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 1
@@ -169,34 +181,54 @@ def cmd_export(args: argparse.Namespace) -> int:
         return failed
     try:
         per_rank = describe_per_rank(index, names)
-        # Only the files holding the objects' pieces are read (each checked as it streams in).
+        # Only the files holding the objects' pieces are read, straight into the exported tensors (each
+        # file checked as it streams in), so the state is in memory once however large it is.
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            states = read_state(storage, info.url, index, mf.file_records(info.manifest), names, pool, rank=args.rank)
+            states = ex.read_objects(
+                storage, info.url, index.as_shared(args.rank), mf.file_records(info.manifest), names, pool
+            )
     except (CheckpointError, StorageError, TreeError, IndexFormatError) as exc:
         print(f"error: reading {', '.join(map(repr, names))} from {info.url} failed: {exc}", file=sys.stderr)
         return 1
-    targets = {name: os.path.join(args.out, f"{name}.pt") for name in names} if to_dir else {names[0]: args.out}
+    suffix = ex.SUFFIXES[args.format]
+    targets = {name: os.path.join(args.out, f"{name}{suffix}") for name in names} if to_dir else {names[0]: args.out}
+    written: dict[str, ex.Written] = {}
     try:
         if to_dir:
             os.makedirs(args.out, exist_ok=True)
         for name, path in targets.items():
-            _save(states[name], path)
+            # Popped: each object's tensors are freed once written, not held until the last is.
+            written[name] = ex.write(args.format, name, states.pop(name), path, metadata=_metadata(info, name, args.rank))
+    except ex.ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"error: writing the export to {args.out} failed: {exc}", file=sys.stderr)
         return 1
-    print(_summary(info, states, targets, out_dir=args.out if to_dir else None, per_rank=per_rank, rank=args.rank))
+    print(_summary(info, written, targets, out_dir=args.out if to_dir else None, per_rank=per_rank, rank=args.rank))
+    if skipped:
+        print(f"Skipped (no tensors; safetensors holds tensors only): {', '.join(map(repr, skipped))}.")
     return 0
 
 
+def _metadata(info: CheckpointInfo, name: str, rank: int) -> dict[str, str]:
+    """The safetensors header's metadata: ``format: pt`` (what Hugging Face loaders check for), then
+    where the tensors come from. The run name is there when the run's identity records it."""
+    out = {"format": "pt", "step": str(info.step), "object": name, "rank": str(rank), "checkpoint": info.url}
+    if "run.name" in info.identity:
+        out["run"] = str(info.identity["run.name"])
+    return out
+
+
 def _summary(
-    info: CheckpointInfo, states: dict[str, Any], targets: dict[str, str], *, out_dir: str | None, per_rank: str, rank: int
-) -> str:
-    """What an export wrote, and whose values of what differs across ranks."""
+    info: CheckpointInfo, written: dict[str, ex.Written], targets: dict[str, str], *, out_dir: str | None, per_rank: str,
+    rank: int,
+) -> str:  # fmt: skip
+    """What an export wrote, what a format could not hold, and whose values of what differs across ranks."""
 
     def what(name: str) -> str:
-        tensors = _tensors(states[name])
-        count = f"{len(tensors)} tensor{'s' if len(tensors) != 1 else ''}"
-        return f"{name!r} ({count}, {sum(t.numel() * t.element_size() for t in tensors)} bytes)"
+        count = f"{written[name].tensors} tensor{'s' if written[name].tensors != 1 else ''}"
+        return f"{name!r} ({count}, {written[name].bytes} bytes)"
 
     if out_dir is not None:
         lines = [f"Wrote {len(targets)} objects of step {info.step} to {out_dir}:"]
@@ -204,6 +236,13 @@ def _summary(
     else:
         [(name, path)] = targets.items()
         lines = [f"Wrote {what(name)} of step {info.step} to {path}."]
+    for name, done in written.items():
+        if done.left_out:
+            shown = ", ".join(done.left_out[:8]) + (f" and {len(done.left_out) - 8} more" if len(done.left_out) > 8 else "")
+            lines.append(
+                f"Left out of {name!r} (safetensors holds tensors only): {len(done.left_out)} plain "
+                f"value{'s' if len(done.left_out) != 1 else ''}: {shown}."
+            )
     if per_rank:
         lines.append(
             f"Per-rank values (they differed across the {info.world_size} ranks of the save): {per_rank}. "
@@ -249,34 +288,42 @@ def _check_rank(rank: int, index: Index, info: CheckpointInfo) -> str | None:
     return f"--rank {rank} has no entry in {info.url} (saved at world size {info.world_size}): {valid}."
 
 
-def _check_out(out: str, *, to_dir: bool) -> str | None:
-    """Why ``out`` cannot take the export (a file for one object, a directory for several), or None."""
+def _check_out(out: str, *, to_dir: bool, fmt: str) -> str | None:
+    """Why ``out`` cannot take the export, or None: a directory of outputs for several objects; for one
+    object a file (torch, safetensors) or a directory that does not exist or is empty (dcp)."""
     if to_dir and os.path.exists(out) and not os.path.isdir(out):
-        return f"{out} is a file; exporting several objects (or --all) writes a directory of NAME.pt files."
-    if not to_dir and os.path.isdir(out):
+        return f"{out} is a file; exporting several objects (or --all) writes a directory of NAME{ex.SUFFIXES[fmt] or '/'} outputs."
+    if to_dir:
+        return None
+    if fmt == "dcp":
+        if os.path.exists(out) and not os.path.isdir(out):
+            return f"{out} is a file; --format dcp writes a directory."
+        if os.path.isdir(out) and os.listdir(out):
+            return f"{out} is a directory that is not empty; --format dcp writes a new (or empty) directory."
+        return None
+    if os.path.isdir(out):
         return f"{out} is a directory; exporting one object writes a file (--all or several --object write a directory)."
     return None
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for value in tree.values() for t in _tensors(value)]
-    if isinstance(tree, (list, tuple)):
-        return [t for value in tree for t in _tensors(value)]
-    return []
-
-
-def _save(obj: Any, path: str) -> None:
-    """``torch.save`` to ``path`` through a temporary name, so an interrupted export leaves no partial file."""
-    partial = f"{path}.partial"
-    try:
-        torch.save(obj, partial)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+def _safetensors_objects(
+    index: Index, names: list[str], info: CheckpointInfo, *, every: bool
+) -> tuple[str | None, list[str], list[str]]:
+    """``(problem, names, skipped)`` for a safetensors export, which cannot hold an object without
+    tensors: with ``--all`` such objects (a scheduler, the data position) are skipped; one named
+    with ``--object`` is an error, as is ``--all`` when no object holds a tensor."""
+    empty = [name for name in names if not ex.object_tensors(index, name)]
+    if not empty:
+        return None, names, []
+    if every and len(empty) < len(names):
+        return None, [name for name in names if name not in empty], empty
+    which = f"the object {empty[0]!r}" if not every else f"none of the objects ({', '.join(map(repr, empty))})"
+    return (
+        f"{which} in {info.url} holds no tensors, and a safetensors file holds nothing else: export it with "
+        "--format torch or --format dcp.",
+        names,
+        [],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
