@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "IDENTITY", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
@@ -308,6 +308,28 @@ class CheckpointConfig(Section):
         ),
     )
 
+    # Not identity: the weights a run starts from are read only at its first start; once it has a checkpoint
+    # of its own, that holds them, so a relaunch naming another source (or none: the file moved) resumes it.
+    init_from: str = Field(
+        default="",
+        description=(
+            "Pretrained weights the model starts from when the run resumes nothing (no checkpoint of its own in "
+            "either tier; a resume always wins): a path or fsspec URL of a torch.save file (a state dict, or a dict "
+            "holding one under 'model'; read with weights_only=True), a safetensors file, a DCP directory or a "
+            "checkpoint directory of this package (its 'model' object). Loaded strictly: every parameter and buffer "
+            "with its shape and dtype, nothing else. Recorded with its BLAKE3 in every checkpoint's manifest. "
+            "Empty: the model's own initialisation."
+        ),
+    )
+    init_from_missing_ok: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Names of the model's parameters and buffers, or fnmatch patterns ('head.*'), that may be missing "
+            "from checkpoint.init_from (a new head): they keep the model's own initial values. A YAML list, or "
+            "one comma-separated string. Any other missing name is an error."
+        ),
+    )
+
     @property
     def memory_path(self) -> str:
         """``memory_dir``, or where it defaults to (see its description)."""
@@ -330,6 +352,27 @@ class CheckpointConfig(Section):
                     f"checkpoint.{name} ({getattr(self, name)!r}) has no effect: checkpoint.memory_overhead=0 turns "
                     "the memory tier off. Drop one of the two settings."
                 )
+        return self
+
+    @field_validator("init_from_missing_ok", mode="before")
+    @classmethod
+    def _split_missing_ok(cls, value: Any) -> Any:
+        # --checkpoint.init_from_missing_ok=head.*,fc.bias arrives as one string.
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_init_from(self) -> CheckpointConfig:
+        if self.init_from_missing_ok and not self.init_from:
+            raise ValueError(
+                f"checkpoint.init_from_missing_ok ({self.init_from_missing_ok}) has no effect without "
+                "checkpoint.init_from. Set checkpoint.init_from, or drop it."
+            )
+        resume = self.resume.strip()
+        if self.init_from and resume not in ("auto", "never"):
+            raise ValueError(
+                f"checkpoint.init_from ({self.init_from!r}) has no effect with checkpoint.resume={resume!r}: that "
+                "checkpoint is always resumed. Use checkpoint.resume=auto (or never), or drop checkpoint.init_from."
+            )
         return self
 
     @model_validator(mode="after")

@@ -30,8 +30,9 @@ order is not the script's):
    other stateful objects; proves that every node sees the same checkpoint storage; picks the
    newest state anywhere -- a surviving node's memory tier (``checkpoint.memory_dir``, see
    docs/memory-tier.md) or the newest committed, verified checkpoint, refused if it belongs to a
-   run with other identity settings -- and loads it (every object, and the data position); opens
-   the metrics.
+   run with other identity settings -- and loads it (every object, and the data position); a run
+   that resumes nothing starts from ``checkpoint.init_from`` when set (pretrained weights, read once
+   and broadcast); opens the metrics.
 3. :meth:`Run.steps`: each iteration is one optimizer step over this rank's share of the next
    ``train.global_batch_size`` samples of a world-size-independent order. Around the script's step
    the run agrees with all ranks on stopping, keeps the state in node memory at the interval its
@@ -66,6 +67,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_ddp.chaos import maybe_inject
 from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
 from elastic_ddp.checkpoint.manifest import identity_digest
+from elastic_ddp.checkpoint.pretrained import InitFromError, load_pretrained, source_record
 from elastic_ddp.config import Config, ConfigError, identity_differences, load_config
 from elastic_ddp.ddp_buckets import stabilize_buckets
 from elastic_ddp.data import (
@@ -277,6 +279,8 @@ class Run:
         self._checkpoints: CheckpointManager | None = None
         self._memory: MemoryTier | None = None
         self._resume_source: str | None = None
+        self._newest_durable: CheckpointInfo | None = None
+        self._init_event: str | None = None
         self.resumed_tier: str | None = None
         self._steps_redone: int | None = None
         self._memory_off: str | None = None
@@ -326,7 +330,8 @@ class Run:
         (any ``nn.Module``), another optimizer, a ``torch.amp.GradScaler``, the script's own counters --
         are saved in every checkpoint and restored on resume, as are the model, the optimizer and the
         data position. What differs across ranks (BatchNorm statistics, an EMA of them, a per-rank
-        counter) is found at each save and kept per rank (see docs/your-model.md). ``ddp_kwargs`` go to
+        counter) is found at each save and kept per rank (see docs/your-model.md). When nothing is resumed,
+        the model's weights come from ``checkpoint.init_from`` if set (a resume always wins). ``ddp_kwargs`` go to
         ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``). Collective; call once.
         """
         if self._state is not None:
@@ -362,6 +367,7 @@ class Run:
         self._memory = self._memory_tier()
         fresh_optimizer = not optimizer.state
         self._resume()
+        self._checkpoints.init_from = self._init_from()
         if self.resumed_tier is None and fresh_optimizer:
             # Sizing the state (the memory tier's survey, a load's templates) makes torch allocate an
             # unstepped optimizer's state with a zero-gradient step; kept, it would count as a step
@@ -376,6 +382,8 @@ class Run:
         self._metrics.log_config(self.cfg.to_yaml())
         if self._memory_off:
             self._metrics.event(self._memory_off)
+        if self._init_event:
+            self._metrics.event(self._init_event)
         if self.resumed_tier is not None:
             self._record_resume()
         return self._ddp
@@ -416,6 +424,7 @@ class Run:
             return
         listed = checkpoints.list_collective()
         durable_step = listed[-1].step if listed else None
+        self._newest_durable = listed[-1] if listed else None
         excluded: set[int] = set()
         while True:
             candidates = survey.candidates(excluded) if survey is not None else []
@@ -445,6 +454,52 @@ class Run:
                 durable_step = info.step if info is not None else None
                 continue
             return
+
+    def _init_from(self) -> dict[str, str] | None:
+        """The pretrained weights this run descends from (``checkpoint.init_from``), for its manifests;
+        loaded into the model here when the run resumed nothing (collective).
+
+        After a resume the source is carried forward from the run's own manifests -- the resumed one,
+        or for a memory-tier resume the newest durable one -- not taken from the settings: a relaunch
+        may name another source (or none) and still resume, and its checkpoints name what the weights
+        really came from. A memory-tier resume before the run's first durable save has no manifest
+        to carry it from; the settings' source is then hashed again (it was loaded by this run).
+        """
+        cfg = self.cfg.checkpoint
+        if self.resumed_tier == "durable":
+            return self.resumed_from.manifest.get("init_from")
+        if self.resumed_tier == "memory" and self._newest_durable is not None:
+            return self._newest_durable.manifest.get("init_from")
+        if not cfg.init_from:
+            return None
+        if self.resumed_tier == "memory":
+            box: list[Any] = [None]
+            if self.is_main:
+                try:
+                    box[0] = source_record(cfg.init_from, cfg.storage_options)
+                except CheckpointError as exc:  # the weights are resumed; only the record is lost
+                    log.warning("[%d/%d] The manifests will not name checkpoint.init_from: %s", self.rank, self.step, exc)
+            if dist.is_initialized() and self.world_size > 1:
+                dist.broadcast_object_list(box, src=0, group=self._control)
+            return box[0]
+        try:
+            loaded = load_pretrained(
+                cfg.init_from, self._state[MODEL], missing_ok=cfg.init_from_missing_ok,
+                storage_options=cfg.storage_options, device=self.device, control_group=self._control,
+            )  # fmt: skip
+        except InitFromError as exc:
+            if exc.retryable:
+                raise
+            # A source that is missing or does not fit the model is a bad setting: every node ends
+            # now with the message, instead of each restart failing the same way.
+            _exit_on_settings_error(ConfigError(str(exc)))
+        record = loaded.record
+        kept = f"; kept the model's own {', '.join(loaded.kept)}" if loaded.kept else ""
+        self._init_event = (
+            f"Initialised the model from {record['url']} ({record['format']}, BLAKE3 {record['blake3']}): "
+            f"{loaded.tensors} tensors, {loaded.bytes} bytes{kept}"
+        )
+        return record
 
     def _resume_durable(self, info: CheckpointInfo | None, last_step: int | None) -> None:
         checkpoints, cfg = self._checkpoints, self.cfg.checkpoint

@@ -99,7 +99,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps([info.to_json() for info in infos], indent=1))
+        print(json.dumps([{**info.to_json(), "init_from": info.manifest.get("init_from")} for info in infos], indent=1))
         return 0
     if not infos:
         print(f"No committed checkpoints under {args.url}.")
@@ -108,6 +108,15 @@ def cmd_list(args: argparse.Namespace) -> int:
     for info in infos:
         when = datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         print(f"{info.step:>10}  {info.world_size:>5}  {info.bytes:>12}  {when:<19}  {info.url}")
+    # One line per source rather than a column: a URL and a digest would make every row unreadable.
+    sources: dict[tuple[str, str, str], list[int]] = {}
+    for info in infos:
+        source = info.manifest.get("init_from")
+        if source is not None:
+            sources.setdefault((source["url"], source["format"], source["blake3"]), []).append(info.step)
+    for (url, fmt, digest), steps in sources.items():
+        which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+        print(f"Initialised from {url} ({fmt}, BLAKE3 {digest}): {which}.")
     return 0
 
 

@@ -209,6 +209,10 @@ class CheckpointManager:
     :mod:`elastic_ddp.checkpoint.fence`). None: no fencing (a job without this package's rendezvous).
     ``check_storage``: with more than one rank, run :meth:`check_shared_storage` at once, so a URL
     that is not shared by all nodes stops the job before it trains.
+
+    ``init_from``: the pretrained weights the run started from, recorded in every manifest rank 0
+    commits from then on (see :func:`~elastic_ddp.checkpoint.manifest.build`); set it before the
+    first save, the same on every rank. None: the run started from its own initialisation.
     """
 
     def __init__(
@@ -226,6 +230,7 @@ class CheckpointManager:
         self.url = normalize_url(cfg.url)
         self.storage = Storage(self.url, cfg.storage_options)
         self.identity = dict(identity or {})
+        self.init_from: dict[str, str] | None = None
         self._distributed = dist.is_available() and dist.is_initialized()
         self._group = process_group
         self._pg: Any = None
@@ -437,6 +442,7 @@ class CheckpointManager:
             identity=self.identity,
             files=[*written.values(), mf.FileRecord(ix.INDEX_NAME, len(data), mf.hash_bytes(data))],
             rdzv_round=self.rdzv_round,
+            init_from=self.init_from,
         )
         # index.json was renamed into place and its directory fsync'd after every data file was
         # created and fsync'd, so every file of the checkpoint is durable before the manifest exists.

@@ -148,6 +148,7 @@ def build(
     identity: dict[str, Any],
     files: list[FileRecord],
     rdzv_round: int | None = None,
+    init_from: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The manifest dict for a checkpoint (signed when a key is set). ``files`` must be every file.
 
@@ -156,6 +157,10 @@ def build(
 
     ``rdzv_round``: the rendezvous round of the group that committed it (None outside one), for
     the record: which group wrote what is then visible in ``elastic-ddp ckpt list --json``.
+
+    ``init_from``: the pretrained weights the run started from (``{"url", "format", "blake3"}``, see
+    :func:`elastic_ddp.checkpoint.pretrained.source_record`), None when it started from its own
+    initialisation; stored as ``init_from`` (covered by the signature) and shown by ``ckpt list``.
     """
     manifest = {
         "format": FORMAT_VERSION,
@@ -171,6 +176,8 @@ def build(
     }
     if rdzv_round is not None:
         manifest["rdzv_round"] = rdzv_round
+    if init_from is not None:
+        manifest["init_from"] = dict(init_from)
     key = signing_key()
     return sign(manifest, key) if key is not None else manifest
 
@@ -200,6 +207,11 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
     ):  # fmt: skip
         if not isinstance(manifest.get(field), kind):
             raise ManifestError(f"The manifest {where} lacks a valid {field!r} field.")
+    source = manifest.get("init_from")
+    if source is not None and not (
+        isinstance(source, dict) and all(isinstance(source.get(k), str) for k in ("url", "format", "blake3"))
+    ):
+        raise ManifestError(f"The manifest {where} has an 'init_from' field without string url, format and blake3.")
     for name, rec in manifest["files"].items():
         if (
             "/" in name
