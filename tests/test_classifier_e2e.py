@@ -81,7 +81,26 @@ def references(etcd_server, tmp_path_factory):
         history = read_ledger(job.run_dir)
         assert list(history) == list(range(1, MAX_STEPS + 1))
         out[dropout] = history, final_weights(job, root)
+        out[f"checkpoint-{dropout}"] = job.run_dir / "checkpoints" / f"step-{MAX_STEPS:09d}"
     return out
+
+
+def test_the_step_40_checkpoint_exports_in_every_format_and_reads_back_without_this_package(references, tmp_path):
+    from tests.test_checkpoint_export import read_back_without_elastic_ddp
+
+    url = str(references["checkpoint-0.1"])
+    for fmt in ("torch", "dcp", "safetensors"):
+        assert ckpt_cli.main(["ckpt", "export", url, str(tmp_path / fmt), "--all", "--format", fmt]) == 0
+    names = sorted(path.stem for path in (tmp_path / "torch").iterdir())
+    assert "model" in names
+    report = read_back_without_elastic_ddp(tmp_path, names)
+    assert report["importable"] is False
+    for name, entry in report["objects"].items():
+        assert entry["dcp_load_equal"] and entry["dcp_converted_equal"], name
+        if entry["tensors"]:
+            assert entry["safetensors_equal"], name
+            assert entry["safetensors_metadata"]["step"] == str(MAX_STEPS), entry["safetensors_metadata"]
+    assert report["objects"]["model"]["safetensors_keys"] == sorted(references[0.1][1])
 
 
 def test_kill_9_and_resume_with_nn_dropout_is_bitwise_identical(references, etcd_endpoint, tmp_path):
