@@ -187,7 +187,7 @@ def _after_fault(soak: Soak, at: float, until: float) -> dict[str, float]:
 
 
 def run(ctx: Context) -> Result:
-    faults, gap, hang_s = (2, (5.0, 7.0), 3.0) if ctx.smoke else (8, (30.0, 45.0), 20.0)
+    faults, gap, hang_s = (2, (3.0, 4.0), 2.0) if ctx.smoke else (8, (30.0, 45.0), 20.0)
     max_bytes = TINY.max_bytes
     result = Result(NAME, TITLE, params={
         "nodes": NODES, "faults": faults, "gap_s": list(gap), "hang_s": hang_s, "seed": SEED, "kinds": list(KINDS),
@@ -202,7 +202,7 @@ def run(ctx: Context) -> Result:
             for slot in range(NODES):
                 reference.start(slot)
             start = reference.wait_for_step(20, NODES)
-            end = reference.wait_for_step(60 if ctx.smoke else 300, NODES)
+            end = reference.wait_for_step(40 if ctx.smoke else 300, NODES)
             stamps = {s: t for t, s, w in reference.steps(start) if w == NODES}
             first, last = min(stamps), max(s for s in stamps if stamps[s] <= end)
             reference_rate = (last - first) / (stamps[last] - stamps[first])
