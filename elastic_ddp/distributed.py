@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.config import DistConfig
+from elastic_ddp.processes import start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,13 @@ def process_age_s() -> float | None:
     What a restart spends before the script's first line (interpreter, imports) is only seen from
     the process's own start.
     """
+    started = start_ticks()
     try:
-        with open("/proc/self/stat", "rb") as stat:
-            started_ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])  # field 22 of stat(5)
         with open("/proc/uptime") as uptime:
-            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+            up = float(uptime.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
+    return None if started is None else up - started / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port() -> int:

@@ -84,7 +84,8 @@ from elastic_ddp.metrics import (
 )  # fmt: skip
 from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful
 from elastic_ddp.stop import (
-    EXIT_CONFIG, EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, report_settings_error, wait_for_restart,
+    EXIT_CONFIG, EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, flush_and_exit, report_settings_error,
+    wait_for_restart,
 )  # fmt: skip
 
 __all__ = ["Run", "RunError", "Step", "launch"]
@@ -871,10 +872,4 @@ def _report_and_exit(exc: BaseException) -> NoReturn:
         get_error_handler().record_exception(exc)  # torchrun prints it as the root cause
     except Exception:  # noqa: BLE001 - the error is already on stderr; the file is a courtesy
         pass
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(EXIT_FAILED)
+    flush_and_exit(EXIT_FAILED)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 __all__ = [
     "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
-    "StopAgreement", "StopSignal", "exit_when_orphaned", "read_settings_error", "report_settings_error",
+    "StopAgreement", "StopSignal", "exit_when_orphaned", "flush_and_exit", "read_settings_error", "report_settings_error",
     "wait_for_restart",
 ]  # fmt: skip
 
@@ -120,7 +120,7 @@ class StopSignal:
             if mine and not self._stepping:
                 log.warning("Signal %s received before training started: nothing to save yet; exiting with status %d.",
                             signal.Signals(mine[0]).name, EXIT_STOPPED)  # fmt: skip
-                _flush_and_exit(EXIT_STOPPED)
+                flush_and_exit(EXIT_STOPPED)
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is not None:
@@ -142,7 +142,7 @@ class StopSignal:
             "Signal %s was received %.0f s ago and this rank has not finished its stop at a step boundary; exiting.",
             signal.Signals(self.received).name, self._grace_s,
         )  # fmt: skip
-        _flush_and_exit(EXIT_STOP_TIMEOUT)
+        flush_and_exit(EXIT_STOP_TIMEOUT)
 
     def stopped(self) -> None:
         """The stop reached its step boundary and its checkpoint: the grace timer has nothing left to bound."""
@@ -191,7 +191,7 @@ def _no_wakeup_in_child() -> None:
 os.register_at_fork(after_in_child=_no_wakeup_in_child)
 
 
-def _flush_and_exit(status: int) -> NoReturn:
+def flush_and_exit(status: int) -> NoReturn:
     """Leave now with ``status``, from any thread, after flushing the logs and standard streams.
 
     ``os._exit``: the main thread may be stuck in C++ (or in a collective whose peer is gone), where

@@ -52,6 +52,8 @@ from typing import Any
 import blake3
 import torch
 
+from elastic_ddp.processes import start_ticks
+
 __all__ = [
     "FORMAT", "MemoryFormatError", "NodeMemory", "PartRecord", "StateOnNode", "read_part", "run_dir_name",
     "write_part",
@@ -490,16 +492,10 @@ class NodeMemory:
 
 
 def _process_mark(pid: int) -> str | None:
-    """``<pid>-<start time>`` of a live process (Linux ``/proc``), None when it is gone or unknown.
-
-    The start time (clock ticks since boot) tells a reused pid from the process that had it.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return f"{pid}-{int(fields[19])}"  # field 22 of stat(5); the first two (pid, comm) are cut off
+    """``<pid>-<start time>`` of a live process, None when it is gone or unknown: the start time
+    tells a reused pid from the process that had it."""
+    started = start_ticks(pid)
+    return None if started is None else f"{pid}-{started}"
 
 
 def _agent_alive(run_path: Path) -> bool:
@@ -508,4 +504,5 @@ def _agent_alive(run_path: Path) -> bool:
         marks = [entry.name for entry in (run_path / AGENTS_DIR).iterdir()]
     except OSError:
         return False
-    return any(_process_mark(int(mark.split("-", 1)[0])) == mark for mark in marks if mark.split("-", 1)[0].isdigit())
+    pids = [(mark, mark.split("-", 1)[0]) for mark in marks]
+    return any(_process_mark(int(pid)) == mark for mark, pid in pids if pid.isdigit())
