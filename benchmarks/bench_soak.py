@@ -97,14 +97,14 @@ class Soak:
         return found
 
     def wait(self, predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.1)  # poll interval, bounded by the deadline
-        tail = "\n".join(line for _, line in self.lines()[-40:])
-        raise RuntimeError(f"Timed out after {timeout:g} s waiting for {what}.\n{tail}")
+        """``predicate``'s first truthy value within ``timeout`` s; else an error with the job's last lines."""
+        from tests.helpers.nodes import wait_for
+
+        try:
+            return wait_for(predicate, timeout, what=what)
+        except TimeoutError as exc:
+            tail = "\n".join(line for _, line in self.lines()[-40:])
+            raise RuntimeError(f"{exc}\n{tail}") from None
 
     def wait_for_step(self, step: int, world: int, after: float = float("-inf"), timeout: float = 240) -> float:
         """The stamp of the first step line at or past ``step`` at world size ``world`` after ``after``."""

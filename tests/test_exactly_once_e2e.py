@@ -32,8 +32,9 @@ import pytest
 import torch
 
 from elastic_ddp.checkpoint import cli as ckpt_cli
-from elastic_ddp.data import DataCursor, ElasticSampler, LedgerStep, exactly_once_problems, read_ledger
+from elastic_ddp.data import LedgerStep, exactly_once_problems, read_ledger
 from elastic_ddp.lm import ByteWindows, CorpusConfig, load_corpus
+from tests.helpers.data import data_order
 from tests.helpers.job import Job, resumed_steps, steps
 
 pytestmark = pytest.mark.slow
@@ -97,11 +98,7 @@ def assert_each_sample_once_per_epoch(history: dict[int, LedgerStep], per_epoch:
 
 def expected_order(num_steps: int, per_epoch: int) -> list[list[int]]:
     """The global batch of each step of an uninterrupted run, from the data order itself."""
-    sampler, cursor, batches = ElasticSampler(per_epoch, BATCH, SEED), DataCursor(), []
-    for _ in range(num_steps):
-        indices, cursor = sampler.batch_at(cursor)
-        batches.append(indices)
-    return batches
+    return data_order(per_epoch, BATCH, SEED, num_steps)
 
 
 @pytest.fixture(scope="module")

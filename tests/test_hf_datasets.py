@@ -28,6 +28,7 @@ from elastic_ddp.data import (
     DataCursor, ElasticSampler, StepBatches, check_dataset, check_same_dataset, dataset_fingerprint,
     exactly_once_problems, read_ledger, read_samples,
 )  # fmt: skip
+from tests.helpers.data import data_order
 from tests.helpers.job import REPO, Job, env, resumed_steps
 
 datasets = pytest.importorskip("datasets")
@@ -217,11 +218,7 @@ def finish(job: Job, timeout: float = 180) -> str:
 
 
 def expected_order(num_steps: int) -> list[list[int]]:
-    sampler, cursor, batches = ElasticSampler(ROWS, BATCH, SEED), DataCursor(), []
-    for _ in range(num_steps):
-        indices, cursor = sampler.batch_at(cursor)
-        batches.append(indices)
-    return batches
+    return data_order(ROWS, BATCH, SEED, num_steps)
 
 
 @pytest.mark.slow

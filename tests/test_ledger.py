@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 import elastic_ddp.data.ledger as ledger_module
-from elastic_ddp.data import DataCursor, ElasticSampler, LedgerStep, StepLedger, exactly_once_problems, rank_slice, read_ledger
+from elastic_ddp.data import LedgerStep, StepLedger, exactly_once_problems, rank_slice, read_ledger
 from elastic_ddp.distributed import (
     ENV_GROUP_WORLD_SIZE,
     ENV_MASTER_ADDR,
@@ -25,20 +25,10 @@ from elastic_ddp.distributed import (
     ENV_RDZV_ROUND,
     ENV_RESTART_COUNT,
 )
+from tests.helpers.data import data_order
 
 NUM_SAMPLES, BATCH, SEED, MAX_STEPS = 50, 6, 7, 45
-
-
-def data_order(num_steps: int) -> list[list[int]]:
-    """The global batch of each step of an uninterrupted run."""
-    sampler, cursor, batches = ElasticSampler(NUM_SAMPLES, BATCH, SEED), DataCursor(), []
-    for _ in range(num_steps):
-        indices, cursor = sampler.batch_at(cursor)
-        batches.append(indices)
-    return batches
-
-
-ORDER = data_order(MAX_STEPS)
+ORDER = data_order(NUM_SAMPLES, BATCH, SEED, MAX_STEPS)  # the global batch of each step of an uninterrupted run
 
 
 @dataclass

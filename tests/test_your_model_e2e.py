@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.data import DataCursor, ElasticSampler, read_ledger
+from elastic_ddp.data import read_ledger
+from tests.helpers.data import data_order
 from tests.helpers.job import REPO, Job, env, resumed_steps, steps
 from tests.helpers.nodes import descendants, start_node, wait_for
 
@@ -32,11 +33,7 @@ SAMPLES, BATCH, SEED = 442, 8, 1337  # load_diabetes; the library's default seed
 
 
 def expected_order(num_steps: int) -> list[list[int]]:
-    sampler, cursor, batches = ElasticSampler(SAMPLES, BATCH, SEED), DataCursor(), []
-    for _ in range(num_steps):
-        indices, cursor = sampler.batch_at(cursor)
-        batches.append(indices)
-    return batches
+    return data_order(SAMPLES, BATCH, SEED, num_steps)
 
 
 def standalone_command(root: Path, *flags: str, torchrun_flags: tuple[str, ...] = ()) -> list[str]:
