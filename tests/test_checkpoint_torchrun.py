@@ -151,3 +151,14 @@ def test_kill_9_of_a_rank_mid_save_leaves_the_previous_checkpoint_latest(tmp_pat
     assert info.step == 1 and mgr.verify(info).ok
     assert not (tmp_path / "ck" / "step-000000002" / "manifest.json").exists()
     assert ENV_FAULT_POINT not in os.environ
+
+
+def test_a_rank_that_hangs_at_a_save_is_detected_after_the_training_groups_timeout_not_the_checkpoints(tmp_path) -> None:
+    url = str(tmp_path / "ck")
+    # checkpoint.timeout_s stays at its 600 s: the peers' save must fail after the 3 s of dist's timeout,
+    # and the job end, well within the 120 s torchrun() allows it.
+    result = torchrun(3, "save", "--url", url, "--steps", "3", "--save-at", "2", "3", "--hang", "2:3",
+                      "--dist-timeout-s", "3", timeout=120)  # fmt: skip
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "timed out" in result.stdout.lower() or "timeout" in result.stdout.lower(), result.stdout[-3000:]
+    assert [i.step for i in CheckpointManager(CheckpointConfig(url=url), identity=IDENTITY).list()] == [2]

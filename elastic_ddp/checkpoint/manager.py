@@ -739,20 +739,28 @@ class CheckpointManager:
     def _all_max(self) -> AllMax | None:
         """The element-wise maximum over the ranks, for the save's comparison of what they hold: on the
         training group's device (NCCL on GPUs: no host round trip before the result), else the
-        manager's gloo group. Called in the foreground, while no background save uses the group."""
+        manager's gloo group. Called in the foreground, where the training group is in use anyway."""
         if not self._distributed or self.world_size == 1:
             return None
         transport = self._transport()
         return all_max_over(transport.group, transport.device)
 
     def _transport(self) -> Transport:
-        """NCCL with buffers on this rank's GPU when the group has it, else the manager's gloo group."""
+        """For the foreground's collectives: the training group (NCCL with buffers on this rank's GPU, or
+        gloo on CPUs), else the manager's gloo group.
+
+        The training group, not the manager's, wherever it can carry the bytes: its timeout is
+        ``dist.timeout_s``, so a peer that hangs while the others compare or distribute state is
+        detected as quickly as one that hangs in a training step -- not after ``checkpoint.timeout_s``.
+        """
         if not self._distributed:
             return Transport(torch.device("cpu"), None, lambda r: r, False)
         backend = str(dist.get_backend(self._group)).lower()
         if "nccl" in backend and torch.cuda.is_available():
             group = self._group
             device = torch.device("cuda", torch.cuda.current_device())
+        elif "gloo" in backend:
+            group, device = self._group, torch.device("cpu")
         else:
             group, device = self._pg, torch.device("cpu")
         return Transport(device, group, lambda r: global_rank(group, r), True)

@@ -4,7 +4,8 @@ save: train ``--steps`` steps, async-saving at each step in ``--save-at`` while 
       (mutating the tensors right after each save() returns); rank 0 dumps the values of every
       saved step to ``--dump`` for the loader to compare. ``--fault POINT:RANK`` arms the manager's
       fault point for the save of step ``--fault-step`` only. Each rank prints how many bytes of the
-      replicated state it staged: ``rank R staged S of T replicated bytes``.
+      replicated state it staged: ``rank R staged S of T replicated bytes``. ``--hang RANK:STEP``
+      makes that rank sleep where it would save that step (a rank that hangs, not one that dies).
 load: resolve ``--resume`` (default auto), load into a fresh model and optimizer, compare with the
       dump of the resumed step (model, optimizer state, progress) and check that each rank got its
       own per-rank object back at the saving world size, rank 0's at another; print the bytes of the
@@ -24,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -113,11 +115,14 @@ def main() -> int:
     parser.add_argument("--resume", default="auto")
     parser.add_argument("--fault", default="")
     parser.add_argument("--fault-step", type=int, default=-1)
+    # RANK:STEP: that rank stops making progress (sleeps) where it would save that step.
+    parser.add_argument("--hang", default="")
+    parser.add_argument("--dist-timeout-s", type=float, default=60.0)
     # 0: every rank writes files even for this tiny model (the layout is what the tests check).
     parser.add_argument("--min-file-mb", type=float, default=0.0)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.dist_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build()
     ddp = DDP(model)
@@ -135,6 +140,8 @@ def main() -> int:
         for step in range(1, args.steps + 1):
             train_step(ddp, opt, step, rank)
             if step in args.save_at:
+                if args.hang == f"{rank}:{step}":
+                    time.sleep(3600)
                 if step == args.fault_step:
                     os.environ[ENV_FAULT_POINT] = args.fault
                 mine.values.fill_(own_value(rank, step))
