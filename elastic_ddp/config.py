@@ -329,6 +329,17 @@ class CheckpointConfig(Section):
             "one comma-separated string. Any other missing name is an error."
         ),
     )
+    init_from_objects: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Objects registered with run.setup() (their keyword names, e.g. 'ema') that start from "
+            "checkpoint.init_from too: each loads its own entry when the source is a checkpoint of this package "
+            "holding an object of that name (strictly: the same tensors, shapes and dtypes), else the model's "
+            "pretrained weights -- its state dict must hold the model's keys as they are or under one prefix "
+            "(an AveragedModel's 'module.'), its other entries keep their values. A YAML list, or one "
+            "comma-separated string. An unknown name, or an object that fits neither, ends the job naming it."
+        ),
+    )
 
     @property
     def memory_path(self) -> str:
@@ -354,19 +365,26 @@ class CheckpointConfig(Section):
                 )
         return self
 
-    @field_validator("init_from_missing_ok", mode="before")
+    @field_validator("init_from_missing_ok", "init_from_objects", mode="before")
     @classmethod
     def _split_missing_ok(cls, value: Any) -> Any:
-        # --checkpoint.init_from_missing_ok=head.*,fc.bias arrives as one string.
+        # --checkpoint.init_from_missing_ok=head.*,fc.bias (or init_from_objects=ema,teacher) arrives as one string.
         return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check_init_from(self) -> CheckpointConfig:
-        if self.init_from_missing_ok and not self.init_from:
-            raise ValueError(
-                f"checkpoint.init_from_missing_ok ({self.init_from_missing_ok}) has no effect without "
-                "checkpoint.init_from. Set checkpoint.init_from, or drop it."
-            )
+        for name in ("init_from_missing_ok", "init_from_objects"):
+            if getattr(self, name) and not self.init_from:
+                raise ValueError(
+                    f"checkpoint.{name} ({getattr(self, name)}) has no effect without checkpoint.init_from. Set "
+                    "checkpoint.init_from, or drop it."
+                )
+        for name in self.init_from_objects:
+            if name in ("model", "data"):
+                raise ValueError(
+                    f"checkpoint.init_from_objects names {name!r}, which it cannot start: the model always starts from "
+                    "checkpoint.init_from, and the data position is the run's own. Drop it from the list."
+                )
         resume = self.resume.strip()
         if self.init_from and resume not in ("auto", "never"):
             raise ValueError(

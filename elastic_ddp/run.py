@@ -486,6 +486,7 @@ class Run:
         try:
             loaded = load_pretrained(
                 cfg.init_from, self._state[MODEL], missing_ok=cfg.init_from_missing_ok,
+                objects=cfg.init_from_objects, registered=self._state,
                 storage_options=cfg.storage_options, device=self.device, control_group=self._control,
             )  # fmt: skip
         except InitFromError as exc:
@@ -496,9 +497,10 @@ class Run:
             _exit_on_settings_error(ConfigError(str(exc)))
         record = loaded.record
         kept = f"; kept the model's own {', '.join(loaded.kept)}" if loaded.kept else ""
+        objects = "".join(f"; {name} from {how}" for name, how in loaded.objects)
         self._init_event = (
             f"Initialised the model from {record['url']} ({record['format']}, BLAKE3 {record['blake3']}): "
-            f"{loaded.tensors} tensors, {loaded.bytes} bytes{kept}"
+            f"{loaded.tensors} tensors, {loaded.bytes} bytes{kept}{objects}"
         )
         return record
 

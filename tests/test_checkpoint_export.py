@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ from elastic_ddp.checkpoint.errors import CheckpointVerificationError
 from elastic_ddp.checkpoint.sharded import read_state
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.state import ModelState
-from tests.test_checkpoint_unit import manager, run_checkpoint  # noqa: F401 - run_checkpoint is a fixture
+from tests.test_checkpoint_unit import Box, manager, run_checkpoint  # noqa: F401 - run_checkpoint is a fixture
 
 OBJECTS = ["model", "optimizer", "scheduler", "ema", "raw_optimizer", "counter"]
 TENSOR_OBJECTS = ["model", "optimizer", "ema", "raw_optimizer"]  # 'scheduler' and 'counter' hold plain values only
@@ -193,10 +194,10 @@ def _read(url: str, reader):
         return reader(storage, info, index, pool)
 
 
-def test_read_objects_gives_what_the_resume_reader_gives(run_checkpoint) -> None:
+def test_load_objects_gives_what_the_resume_reader_gives(run_checkpoint) -> None:
     def both(storage, info, index, pool):
         files = mf.file_records(info.manifest)
-        return ex.read_objects(storage, info.url, index, files, OBJECTS, pool), read_state(
+        return ex.load_objects(storage, info.url, index, files, OBJECTS, pool), read_state(
             storage, info.url, index, files, OBJECTS, pool
         )
 
@@ -205,23 +206,195 @@ def test_read_objects_gives_what_the_resume_reader_gives(run_checkpoint) -> None
         assert repr(got[name]) == repr(want[name]), name  # same structure, key types and values
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "extend"])
-def test_read_objects_checks_every_file_it_reads_against_the_manifest(run_checkpoint, damage) -> None:
-    data = sorted(n for n in os.listdir(run_checkpoint.url) if n not in ("index.json", mf.MANIFEST_NAME))[0]
-    path = os.path.join(run_checkpoint.url, data)
+def _damage(url: str, how: str) -> str:
+    """Damage the first data file of the checkpoint at ``url``; its name."""
+    data = sorted(n for n in os.listdir(url) if n not in ("index.json", mf.MANIFEST_NAME))[0]
+    path = os.path.join(url, data)
     raw = bytearray(open(path, "rb").read())
-    if damage == "flip":
+    if how == "flip":
         raw[len(raw) // 2] ^= 1
-    elif damage == "truncate":
+    elif how == "truncate":
         raw = raw[:-1]
-    else:
+    elif how == "extend":
         raw += b"\0"
-    with open(path, "wb") as f:
-        f.write(raw)
+    if how == "remove":
+        os.remove(path)
+    else:
+        with open(path, "wb") as f:
+            f.write(raw)
+    return data
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend"])
+def test_load_objects_checks_every_file_it_reads_against_the_manifest(run_checkpoint, damage) -> None:
+    data = _damage(run_checkpoint.url, damage)
 
     def read(storage, info, index, pool):
-        return ex.read_objects(storage, info.url, index, mf.file_records(info.manifest), OBJECTS, pool)
+        return ex.load_objects(storage, info.url, index, mf.file_records(info.manifest), OBJECTS, pool)
 
     with pytest.raises(CheckpointVerificationError, match=f"{data}.*does not match its manifest") as failed:
         _read(run_checkpoint.url, read)
     assert failed.value.bad_file == data
+
+
+@pytest.mark.parametrize("fmt", ex.FORMATS)
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "remove"])
+def test_a_file_failing_its_check_mid_export_leaves_no_output(run_checkpoint, tmp_path, fmt, damage) -> None:
+    # The CLI verifies the checkpoint before it exports; a file that changes after that check (or an
+    # export called directly) is caught as it streams, and nothing is left under the name asked for.
+    data = _damage(run_checkpoint.url, damage)
+    (tmp_path / "exports").mkdir()
+    out = tmp_path / "exports" / "out"
+
+    def export_model(storage, info, index, pool):
+        [stored] = ex.open_objects(storage, info.url, index, mf.file_records(info.manifest), ["model"]).values()
+        return ex.write(fmt, "model", stored, str(out), metadata={})
+
+    with pytest.raises(ex.ExportError, match=f"Reading 'model' from .* failed: .*{data}") as failed:
+        _read(run_checkpoint.url, export_model)
+    assert isinstance(failed.value.__cause__, CheckpointVerificationError)
+    assert failed.value.__cause__.bad_file == data
+    assert os.listdir(tmp_path / "exports") == []  # neither the output nor its .partial
+
+
+def _mixed_checkpoint(root) -> tuple[str, dict]:
+    """A checkpoint of one object whose tensors straddle three data files: dtypes of every element
+    size, a scalar, an empty tensor, tensors in a list and in a tuple (which DCP pickles whole)."""
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        "big": torch.randn(1000, 37, generator=gen),
+        "half": torch.randn(33, generator=gen).to(torch.bfloat16),
+        "small": torch.randint(-5, 5, (17,), dtype=torch.int8, generator=gen),
+        "mask": torch.rand(9, generator=gen) > 0.5,
+        "wide": torch.randn(5, dtype=torch.float64, generator=gen),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3.0),
+        "nested": {"list": [torch.ones(4), 2.5], "pair": (torch.arange(7), "t")},
+        "count": 3,
+    }
+
+    class Model:
+        def state_dict(self) -> dict:
+            return state
+
+        def load_state_dict(self, _: dict) -> None:
+            pass
+
+    mgr = manager(str(root), write_threads=3, min_file_mb=0)
+    assert mgr.save(1, {"model": Model()}, blocking=True) and mgr.wait()
+    url = mgr.latest().url
+    assert len([n for n in os.listdir(url) if n.startswith("shard-")]) == 3
+    return url, state
+
+
+def _equal(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+    if isinstance(want, dict):
+        return isinstance(got, dict) and list(got) == list(want) and all(_equal(got[k], want[k]) for k in want)
+    if isinstance(want, (list, tuple)):
+        return type(got) is type(want) and len(got) == len(want) and all(_equal(a, b) for a, b in zip(got, want))
+    return got == want
+
+
+def test_torch_export_is_the_archive_torch_save_writes(tmp_path) -> None:
+    import zipfile
+
+    url, state = _mixed_checkpoint(tmp_path / "c")
+    out = tmp_path / "model.pt"
+    assert export(url, out) == 0
+    assert _equal(torch.load(out, weights_only=True), state)
+    assert _equal(torch.load(out, weights_only=True, mmap=True), state)
+    # Every storage record holds its bytes with their CRC-32, as torch.save's own: the archive is sound.
+    assert zipfile.ZipFile(out).testzip() is None
+    torch.save(state, tmp_path / "ref.pt")
+
+    def records(path) -> dict:
+        with zipfile.ZipFile(path) as archive:
+            return {i.filename.split("/", 1)[1]: (i.file_size, i.CRC) for i in archive.infolist()}
+
+    got, want = records(out), records(tmp_path / "ref.pt")
+    assert sorted(got) == sorted(want)
+    for name in got:
+        if name not in ("data.pkl", ".data/serialization_id"):  # the pickle's memo of "cpu" differs
+            assert got[name] == want[name], name
+
+
+def test_safetensors_export_has_the_spec_layout_and_reads_as_save_file_writes(tmp_path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    url, state = _mixed_checkpoint(tmp_path / "c")
+    out = tmp_path / "model.safetensors"
+    assert export(url, out, "--format", "safetensors") == 0
+    tensors = {
+        "big": state["big"], "half": state["half"], "small": state["small"], "mask": state["mask"],
+        "wide": state["wide"], "empty": state["empty"], "scalar": state["scalar"],
+        "nested.list.0": state["nested"]["list"][0], "nested.pair.0": state["nested"]["pair"][0],
+    }  # fmt: skip
+    got = load_file(out)
+    assert sorted(got) == sorted(tensors) and all(_equal(got[k], v) for k, v in tensors.items())
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    ref = load_file(tmp_path / "ref.safetensors")
+    assert sorted(ref) == sorted(got) and all(_equal(got[k], ref[k]) for k in ref)
+    with safe_open(out, framework="pt") as f:
+        assert f.metadata()["format"] == "pt" and f.metadata()["step"] == "1"
+    # The header: its length a multiple of 8 (padded with spaces), every tensor at a multiple of its element size.
+    raw = out.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    assert length % 8 == 0 and raw[8 : 8 + length].decode().rstrip(" ").endswith("}")
+    for key, entry in header.items():
+        if key != "__metadata__":
+            assert entry["data_offsets"][0] % tensors[key].element_size() == 0, key
+    assert 8 + length + max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__") == len(raw)
+
+
+def test_safetensors_export_of_a_dtype_it_lacks_names_the_tensor(tmp_path, capsys) -> None:
+    mgr = manager(str(tmp_path / "c"))
+    assert mgr.save(1, {"model": Box(w=torch.ones(2), z=torch.ones(3, dtype=torch.complex128))}, blocking=True) and mgr.wait()
+    out = tmp_path / "model.safetensors"
+    assert export(mgr.latest().url, out, "--format", "safetensors") == 1
+    err = capsys.readouterr().err
+    assert "safetensors cannot hold 'z' of 'model': it has no torch.complex128 dtype" in err and "--format torch" in err
+    assert not out.exists() and not (tmp_path / "model.safetensors.partial").exists()
+
+
+def test_every_format_of_a_multi_file_checkpoint_reads_back_without_elastic_ddp(tmp_path) -> None:
+    url, state = _mixed_checkpoint(tmp_path / "c")
+    for fmt in ex.FORMATS:
+        assert export(url, tmp_path / fmt, "--all", "--format", fmt) == 0
+    report = read_back_without_elastic_ddp(tmp_path, ["model"])
+    entry = report["objects"]["model"]
+    assert entry["tensors"] == 9 and entry["safetensors_equal"] and entry["dcp_load_equal"] and entry["dcp_converted_equal"]
+    assert _equal(torch.load(tmp_path / "torch" / "model.pt", weights_only=True), state)
+
+
+def test_dcp_export_holds_one_tensor_at_a_time(tmp_path, monkeypatch) -> None:
+    # With groups of one tensor, DCP is handed each tensor only after the one before was written and
+    # dropped: at no time are two of the checkpoint's tensors alive (a tuple's tensors go together).
+    import weakref
+
+    url, state = _mixed_checkpoint(tmp_path / "c")
+    monkeypatch.setattr(ex, "_DCP_GROUP_BYTES", 0)
+    alive: set[int] = set()
+    most = [0]
+    get = ex._WholeTensors.get
+
+    def tracked(self, tensor: int) -> torch.Tensor:
+        value = get(self, tensor)
+        alive.add(tensor)
+        weakref.finalize(value, alive.discard, tensor)
+        most[0] = max(most[0], len(alive))
+        return value
+
+    monkeypatch.setattr(ex._WholeTensors, "get", tracked)
+    assert export(url, tmp_path / "dcp", "--format", "dcp") == 0
+    assert most[0] == 1
+    files = [n for n in os.listdir(tmp_path / "dcp") if n.endswith(".distcp")]
+    assert len(files) == 9  # 8 tensors of their own, and the tuple (a plain value) with the count
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "converted.pt")
+    converted = torch.load(tmp_path / "converted.pt", weights_only=True)
+    assert _equal(converted["nested"]["pair"], state["nested"]["pair"]) and _equal(converted["big"], state["big"])

@@ -1,5 +1,7 @@
 """``checkpoint.init_from``: pretrained weights in every source format, loaded strictly, broadcast from
-rank 0, recorded in the manifests and shown by ``ckpt list``. The end-to-end run (the classifier recipe
+rank 0, recorded in the manifests and shown by ``ckpt list``; registered objects that start from the
+source too (``checkpoint.init_from_objects``: an EMA copy takes the model's weights, or its own entry
+of another run's checkpoint). The end-to-end run (the classifier recipe
 started from another run's safetensors export, killed and resumed) is tests/test_init_from_e2e.py."""
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from elastic_ddp.checkpoint import pretrained as pt
 from elastic_ddp.checkpoint.catalog import list_checkpoints
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.config import Config, ConfigError, load_config
-from elastic_ddp.state import ModelState
-from tests.test_checkpoint_unit import manager
+from elastic_ddp.state import ModelState, as_stateful
+from tests.test_checkpoint_unit import Box, manager
 
 
 class Net(torch.nn.Module):
@@ -227,8 +229,8 @@ rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=3)
 pt.PACK_BYTES = 64  # small packs and sliced large tensors, both with a 3-rank broadcast
 reads = []
-real = pt.read_weights
-pt.read_weights = lambda *a, **k: reads.append(1) or real(*a, **k)
+real = pt._read_source
+pt._read_source = lambda *a, **k: reads.append(1) or real(*a, **k)
 model = fresh(seed=10 + rank)  # every rank starts different
 loaded = pt.load_pretrained(sys.argv[3], ModelState(model))
 want = torch.load(sys.argv[3], weights_only=True)
@@ -261,6 +263,182 @@ def test_three_ranks_end_with_the_source_read_once_and_share_its_errors(tmp_path
     for rank, line in enumerate(results):
         assert f"RESULT {rank} equal=True reads={1 if rank == 0 else 0} blake3={digest} error=" in line, outputs[rank]
         assert "'head.weight' is (3, 5) torch.float32 there, (4, 5) torch.float32 in the model" in line
+
+
+# --------------------------------------------------------------- other objects: init_from_objects
+
+
+def ema_of(model: torch.nn.Module):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+
+
+def ema_weights(ema) -> dict[str, torch.Tensor]:
+    """The EMA's copy of the model, by the model's keys."""
+    return {k: v for k, v in ema.module.state_dict().items()}
+
+
+def checkpoint_with_ema(model_weights: dict, ema_weights_: dict, root: Path, n_averaged: int = 4) -> Path:
+    """Another run's checkpoint: its model and an EMA whose weights differ from the model's."""
+    model = fresh()
+    model.load_state_dict(model_weights)
+    ema = ema_of(fresh())
+    ema.module.load_state_dict(ema_weights_)
+    ema.n_averaged.fill_(n_averaged)
+    mgr = manager(str(root))
+    assert mgr.save(3, {"model": ModelState(model), "ema": as_stateful("ema", ema)}, blocking=True) and mgr.close()
+    return root / "step-000000003"
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch", "dcp", "checkpoint-without-ema"])
+def test_an_ema_copy_takes_the_models_weights_from_a_source_without_its_own_entry(kind, tmp_path) -> None:
+    weights = pretrained()
+    if kind == "safetensors":
+        save_file(weights, source := tmp_path / "w.safetensors")
+    elif kind == "torch":
+        torch.save({"model": weights, "ema": {"n_averaged": torch.tensor(9)}}, source := tmp_path / "w.pt")
+    elif kind == "dcp":
+        source = dcp_dir(weights, tmp_path / "w-dcp")
+    else:
+        source = project_checkpoint(weights, tmp_path / "ckpts")
+    model = fresh()
+    ema = ema_of(fresh(seed=3))  # its own random init, unlike the model's
+    loaded = pt.load_pretrained(str(source), ModelState(model), objects=["ema"], registered={"ema": as_stateful("ema", ema)})
+    assert equal(model, weights) and equal(ema.module, weights)
+    assert ema.n_averaged.item() == 0  # its other entries keep their values: the first update copies the model
+    assert loaded.objects == (("ema", pt.MODEL_WEIGHTS),)
+    # The EMA holds its own tensors: training the model later does not move it.
+    with torch.no_grad():
+        model.body.weight.add_(1.0)
+    assert equal(ema.module, weights)
+
+
+def test_an_ema_takes_its_own_entry_of_another_runs_checkpoint(tmp_path) -> None:
+    weights, averaged = pretrained(seed=1), pretrained(seed=5)
+    source = checkpoint_with_ema(weights, averaged, tmp_path / "ckpts", n_averaged=4)
+    model, ema = fresh(), ema_of(fresh(seed=3))
+    loaded = pt.load_pretrained(str(source), ModelState(model), objects=["ema"], registered={"ema": as_stateful("ema", ema)})
+    assert equal(model, weights) and equal(ema.module, averaged) and ema.n_averaged.item() == 4
+    assert loaded.objects == (("ema", pt.OWN_ENTRY),)
+
+
+def test_an_object_own_entry_holds_plain_values_too(tmp_path) -> None:
+    # A user's object of tensors and plain values, saved by another run, comes back whole.
+    model = fresh()
+    model.load_state_dict(weights := pretrained())
+    mgr = manager(str(tmp_path / "ckpts"))
+    saved = Box(seen={3: (1, 2.5)}, total=10, table=torch.arange(4.0))
+    assert mgr.save(3, {"model": ModelState(model), "stats": saved}, blocking=True) and mgr.close()
+    mine = Box(seen={}, total=0, table=torch.zeros(4))
+    pt.load_pretrained(str(tmp_path / "ckpts"), ModelState(fresh()), objects=["stats"], registered={"stats": mine})
+    assert mine.values["seen"] == {3: (1, 2.5)} and mine.values["total"] == 10
+    assert torch.equal(mine.values["table"], torch.arange(4.0))
+    assert weights  # the model loaded as ever
+
+
+def test_missing_ok_keys_keep_the_objects_own_values(tmp_path) -> None:
+    weights = {k: v for k, v in pretrained().items() if not k.startswith("head.")}
+    save_file(weights, source := tmp_path / "w.safetensors")
+    model, ema = fresh(), ema_of(fresh(seed=3))
+    head = {k: v.clone() for k, v in ema_weights(ema).items() if k.startswith("head.")}
+    loaded = pt.load_pretrained(
+        str(source), ModelState(model), missing_ok=["head.*"], objects=["ema"], registered={"ema": as_stateful("ema", ema)}
+    )
+    assert loaded.kept == ("head.weight", "head.bias") and equal(ema.module, {**weights, **head})
+
+
+def test_an_unknown_object_is_named_with_what_is_registered(tmp_path) -> None:
+    save_file(pretrained(), source := tmp_path / "w.safetensors")
+    model = fresh()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    registered = {"model": ModelState(model), "optimizer": object(), "ema": as_stateful("ema", ema_of(fresh()))}
+    with pytest.raises(pt.InitFromError, match=r"names 'emma', which run.setup\(\) did not register \(did you mean 'ema'\?\); it registered 'optimizer', 'ema'"):
+        pt.load_pretrained(str(source), ModelState(model), objects=["emma"], registered=registered)
+    assert equal(model, before)  # refused before anything was read or loaded
+
+
+def test_an_object_whose_shapes_differ_is_named_with_both_shapes(tmp_path) -> None:
+    save_file(pretrained(), source := tmp_path / "w.safetensors")
+    model = fresh()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ema = ema_of(fresh(head=4))  # an EMA of another model: a head of 4
+    with pytest.raises(
+        pt.InitFromError,
+        match=r"does not fit the object 'ema' \(checkpoint.init_from_objects\): the model's 'head.weight' is \(3, 5\) "
+        r"torch.float32, 'ema''s 'module.head.weight' is \(4, 5\) torch.float32",
+    ):
+        pt.load_pretrained(str(source), ModelState(model), objects=["ema"], registered={"ema": as_stateful("ema", ema)})
+    assert equal(model, before)  # checked before the model loads
+
+
+def test_an_objects_own_entry_that_differs_is_named_with_both_shapes(tmp_path) -> None:
+    source = checkpoint_with_ema(pretrained(), pretrained(seed=5), tmp_path / "ckpts")
+    ema = ema_of(fresh(head=4))
+    with pytest.raises(pt.InitFromError, match=r"object 'ema' .*: 'module.head.weight' is \(3, 5\) torch.float32 there, \(4, 5\) torch.float32 in 'ema'"):
+        pt.load_pretrained(str(source), ModelState(fresh()), objects=["ema"], registered={"ema": as_stateful("ema", ema)})
+
+
+def test_an_object_that_is_no_model_copy_and_has_no_entry_is_named(tmp_path) -> None:
+    save_file(pretrained(), source := tmp_path / "w.safetensors")
+    counter = Box(total=3)
+    with pytest.raises(pt.InitFromError, match=r"object 'counter'.*holds no 'counter' of its own \(only a checkpoint of this package"):
+        pt.load_pretrained(str(source), ModelState(fresh()), objects=["counter"], registered={"counter": counter})
+
+
+def test_init_from_objects_setting_is_parsed_and_checked() -> None:
+    cfg = load_config(["--checkpoint.init_from=base.pt", "--checkpoint.init_from_objects=ema, teacher"])
+    assert cfg.checkpoint.init_from_objects == ["ema", "teacher"]
+    assert cfg.identity() == Config().identity()
+    with pytest.raises(ConfigError, match=r"init_from_objects \(\['ema'\]\) has no effect without checkpoint.init_from"):
+        load_config(["--checkpoint.init_from_objects=ema"])
+    for name in ("model", "data"):
+        with pytest.raises(ConfigError, match=f"init_from_objects names '{name}', which it cannot start"):
+            load_config(["--checkpoint.init_from=base.pt", f"--checkpoint.init_from_objects=ema,{name}"])
+
+
+EMA_WORKER = r"""
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[5])
+from elastic_ddp.checkpoint import pretrained as pt
+from elastic_ddp.state import ModelState, as_stateful
+from tests.test_init_from import fresh, equal, ema_of, ema_weights, pretrained
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=3)
+pt.PACK_BYTES = 64  # small packs and sliced large tensors, both with a 3-rank broadcast
+out = []
+for source, want_ema, how in ((sys.argv[3], pretrained(seed=1), pt.MODEL_WEIGHTS), (sys.argv[4], pretrained(seed=5), pt.OWN_ENTRY)):
+    model, ema = fresh(seed=10 + rank), ema_of(fresh(seed=20 + rank))  # every rank starts different
+    loaded = pt.load_pretrained(source, ModelState(model), objects=["ema"], registered={"ema": as_stateful("ema", ema)})
+    out.append(f"{equal(model, pretrained(seed=1))},{equal(ema.module, want_ema)},{loaded.objects == (('ema', how),)}")
+try:
+    pt.load_pretrained(sys.argv[3], ModelState(fresh()), objects=["ema"], registered={"ema": as_stateful("ema", ema_of(fresh(head=4)))})
+    error = "none"
+except pt.InitFromError as exc:
+    error = str(exc)
+print(f"RESULT {rank} {' '.join(out)} error={error}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_three_ranks_start_an_ema_from_the_models_weights_or_its_own_entry(tmp_path) -> None:
+    torch.save(pretrained(seed=1), weights_file := tmp_path / "w.pt")
+    other_run = checkpoint_with_ema(pretrained(seed=1), pretrained(seed=5), tmp_path / "ckpts")
+    script = tmp_path / "worker.py"
+    script.write_text(EMA_WORKER)
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store"), str(weights_file), str(other_run),
+                          repo], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for rank in range(3)
+    ]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    for rank, out in enumerate(outputs):
+        line = next((line for line in out.splitlines() if line.startswith("RESULT")), out)
+        assert line.startswith(f"RESULT {rank} True,True,True True,True,True error="), out
+        assert "does not fit the object 'ema'" in line and "'module.head.weight' is (4, 5) torch.float32" in line, out
 
 
 # ------------------------------------------------------------------------- manifest, ckpt list, config

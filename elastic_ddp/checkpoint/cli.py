@@ -12,7 +12,6 @@ Remote URLs use the standard AWS configuration (environment, profile, ``AWS_ENDP
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import difflib
 import json
@@ -190,12 +189,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         return failed
     try:
         per_rank = describe_per_rank(index, names)
-        # Only the files holding the objects' pieces are read, straight into the exported tensors (each
-        # file checked as it streams in), so the state is in memory once however large it is.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            states = ex.read_objects(
-                storage, info.url, index.as_shared(args.rank), mf.file_records(info.manifest), names, pool
-            )
+        # Nothing is read yet: each object streams from the checkpoint's files into its export
+        # (every file checked as it streams), so the export holds a few buffers, never the state.
+        states = ex.open_objects(storage, info.url, index.as_shared(args.rank), mf.file_records(info.manifest), names)
     except (CheckpointError, StorageError, TreeError, IndexFormatError) as exc:
         print(f"error: reading {', '.join(map(repr, names))} from {info.url} failed: {exc}", file=sys.stderr)
         return 1
@@ -206,7 +202,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         if to_dir:
             os.makedirs(args.out, exist_ok=True)
         for name, path in targets.items():
-            # Popped: each object's tensors are freed once written, not held until the last is.
             written[name] = ex.write(args.format, name, states.pop(name), path, metadata=_metadata(info, name, args.rank))
     except ex.ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)

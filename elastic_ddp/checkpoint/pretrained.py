@@ -17,6 +17,13 @@ the source must hold nothing else; the errors name the parameters (both shapes, 
 Parameters matched by ``checkpoint.init_from_missing_ok`` (names or ``fnmatch`` patterns) may be
 missing from the source -- a new head -- and keep the model's own initial values.
 
+Other registered objects start from the source too where asked (``checkpoint.init_from_objects``):
+each loads its own entry when the source is a checkpoint of this package holding an object of its
+name (another run's EMA, its optimizer), strictly (the same tensor paths, shapes and dtypes); else
+the model's weights just loaded, when its state dict holds every model key as it is or under one
+prefix (an ``AveragedModel`` holds them under ``module.``), keeping its other entries (``n_averaged``)
+and, for the model's keys kept from ``init_from_missing_ok``, its own values.
+
 Cost: rank 0 alone reads the source (one read of the file per job, plus, for a DCP directory, one
 more to hash it), holds it in host memory (for a file, its bytes and then its tensors: up to twice
 the weights for a moment), and broadcasts it to every rank over the default process group (NCCL on
@@ -31,6 +38,7 @@ or, for a DCP directory, of the lines ``b3sum`` prints for its files in name ord
 from __future__ import annotations
 
 import concurrent.futures
+import difflib
 import fnmatch
 import io
 import pickle
@@ -45,11 +53,15 @@ import torch.distributed as dist
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_index
 from elastic_ddp.checkpoint.errors import CheckpointError
-from elastic_ddp.checkpoint.export import read_objects
+from elastic_ddp.checkpoint.export import load_objects
 from elastic_ddp.checkpoint.storage import Storage, StorageError, join, normalize_url
-from elastic_ddp.checkpoint.tree import TreeError
+from elastic_ddp.checkpoint.tree import TreeError, flatten, path_text, unflatten
+from elastic_ddp.state import ModelState
 
-__all__ = ["FORMATS", "InitFromError", "Loaded", "check_fit", "load_pretrained", "read_weights", "source_record"]
+__all__ = [
+    "FORMATS", "MODEL_WEIGHTS", "OWN_ENTRY", "InitFromError", "Loaded", "check_fit", "load_pretrained", "read_weights",
+    "source_record",
+]
 
 TORCH, SAFETENSORS, DCP, CHECKPOINT = "torch", "safetensors", "dcp", "checkpoint"
 # The values of a source record's "format" (what the manifests and `ckpt list` show).
@@ -63,6 +75,10 @@ PACK_BYTES = 64 << 20
 _DCP_METADATA = ".metadata"
 # Names shown in an error before "and N more".
 _SHOWN = 8
+# How an object of checkpoint.init_from_objects was initialised (Loaded.objects).
+OWN_ENTRY, MODEL_WEIGHTS = "its own entry", "the model's weights"
+# Objects init_from_objects cannot name: the model always loads, the data position is the run's own.
+NOT_OBJECTS = (MODEL_NAME, "data")
 
 
 class InitFromError(CheckpointError):
@@ -78,13 +94,16 @@ class InitFromError(CheckpointError):
 
 @dataclass(frozen=True)
 class Loaded:
-    """What :func:`load_pretrained` did: the source's ``record`` (for the manifests), the tensors it
-    loaded and their bytes, and the model's parameters kept (``checkpoint.init_from_missing_ok``)."""
+    """What :func:`load_pretrained` did: the source's ``record`` (for the manifests), the model's
+    tensors it loaded and their bytes, the model's parameters kept (``checkpoint.init_from_missing_ok``),
+    and how each object of ``checkpoint.init_from_objects`` was initialised (``(name,``
+    :data:`OWN_ENTRY` ``or`` :data:`MODEL_WEIGHTS` ``)``)."""
 
     record: dict[str, str]
     tensors: int
     bytes: int
     kept: tuple[str, ...]
+    objects: tuple[tuple[str, str], ...] = ()
 
 
 def _names(names: Sequence[str]) -> str:
@@ -170,9 +189,19 @@ def read_weights(url: str, storage_options: Mapping[str, Any] | None = None) -> 
     """The model weights the source at ``url`` holds (CPU tensors by state-dict key) and its
     :func:`source_record`; on this process alone. Raises :class:`InitFromError` naming the source
     and what is wrong with it."""
+    weights, record, _ = _read_source(url, storage_options, ())
+    return weights, record
+
+
+def _read_source(
+    url: str, storage_options: Mapping[str, Any] | None, entries: Sequence[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, Any]]:
+    """:func:`read_weights`, and the state dicts of the objects ``entries`` that the source holds
+    (a checkpoint of this package only; other formats hold a model's weights alone)."""
     url = normalize_url(url)
     storage = Storage(url, dict(storage_options or {}))
     kind = _kind(storage, url)
+    found: dict[str, Any] = {}
     try:
         if kind in (TORCH, SAFETENSORS):
             data = storage.read_bytes(url)
@@ -184,10 +213,10 @@ def read_weights(url: str, storage_options: Mapping[str, Any] | None = None) -> 
         else:
             info, manifest = _checkpoint_of(storage, url)
             record = _record(storage, info.url, kind, manifest)
-            weights = _from_checkpoint(Storage(info.url, storage.storage_options), info)
+            weights, found = _from_checkpoint(Storage(info.url, storage.storage_options), info, entries)
     except StorageError as exc:
         raise InitFromError(f"checkpoint.init_from ({url}) cannot be read: {exc}", retryable=True) from exc
-    return weights, record
+    return weights, record, found
 
 
 def _tensors_only(tree: Any, url: str, what: str) -> dict[str, torch.Tensor]:
@@ -281,7 +310,10 @@ def _from_dcp(url: str, storage: Storage) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _from_checkpoint(storage: Storage, info: CheckpointInfo) -> dict[str, torch.Tensor]:
+def _from_checkpoint(
+    storage: Storage, info: CheckpointInfo, entries: Sequence[str] = ()
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The checkpoint's model weights, and the state dicts of those of the objects ``entries`` it holds."""
     try:
         index = read_index(storage, info).as_shared(0)
         if MODEL_NAME not in index.state:
@@ -289,15 +321,17 @@ def _from_checkpoint(storage: Storage, info: CheckpointInfo) -> dict[str, torch.
                 f"checkpoint.init_from ({info.url}) holds no object named {MODEL_NAME!r}; it holds "
                 f"{_names(list(index.state))}."
             )
-        # Only the files holding the model's pieces are read, each verified against the manifest as it
-        # streams; what differed across the saving ranks (BatchNorm statistics) is rank 0's.
+        names = [MODEL_NAME] + [name for name in entries if name in index.state]
+        # Only the files holding these objects' pieces are read, each verified against the manifest as
+        # it streams; what differed across the saving ranks (BatchNorm statistics) is rank 0's.
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            tree = read_objects(storage, info.url, index, mf.file_records(info.manifest), [MODEL_NAME], pool)
+            trees = load_objects(storage, info.url, index, mf.file_records(info.manifest), names, pool)
     except InitFromError:
         raise
     except (CheckpointError, TreeError) as exc:
         raise InitFromError(f"checkpoint.init_from ({info.url}) failed verification: {exc}") from None
-    return _tensors_only(tree[MODEL_NAME], info.url, f"its {MODEL_NAME!r} object")
+    model = _tensors_only(trees.pop(MODEL_NAME), info.url, f"its {MODEL_NAME!r} object")
+    return model, trees
 
 
 def check_fit(
@@ -334,30 +368,128 @@ def check_fit(
     return kept
 
 
+def _targets(objects: Sequence[str], registered: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: object}`` of ``checkpoint.init_from_objects``; raises :class:`InitFromError` naming an
+    object the run did not register (every rank alike: each holds the same registry)."""
+    found: dict[str, Any] = {}
+    for name in dict.fromkeys(objects):
+        if name in NOT_OBJECTS:
+            raise InitFromError(
+                f"checkpoint.init_from_objects names {name!r}, which is not an object it can start: the model always "
+                "starts from checkpoint.init_from, the data position is the run's own."
+            )
+        if name not in registered:
+            others = [n for n in registered if n not in NOT_OBJECTS]
+            close = difflib.get_close_matches(name, others, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InitFromError(
+                f"checkpoint.init_from_objects names {name!r}, which run.setup() did not register{hint}; it registered "
+                f"{_names(others) if others else 'no object besides the model'}."
+            )
+        found[name] = registered[name]
+    return found
+
+
+def _object_plan(
+    name: str, template: Any, entry: Any, model: Mapping[str, Any], keys: Sequence[str], url: str, *, checkpoint: bool
+) -> tuple[tuple[Any, ...], list[torch.Tensor]]:
+    """How the object ``name`` (its current state dict ``template``) starts from the source, checked:
+    ``(("entry", encoded tree, [(dtype, shape)]), tensors)`` from ``entry``, its own state dict in the
+    source, when there is one; else ``(("model", prefix), [])``: the model's loaded ``keys`` (of the
+    model's state dict ``model``) go to ``prefix + key``. Raises :class:`InitFromError` naming the
+    object and what does not fit."""
+    where = f"checkpoint.init_from ({url}) does not fit the object {name!r} (checkpoint.init_from_objects)"
+    if entry is not None:
+        try:
+            encoded, tensors, paths = flatten(entry)
+            _, mine, my_paths = flatten(template)
+        except TreeError as exc:
+            raise InitFromError(f"{where}: {exc}") from None
+        theirs, ours = dict(zip(paths, tensors)), dict(zip(my_paths, mine))
+        missing = [path_text(p) for p in ours if p not in theirs]
+        unexpected = [path_text(p) for p in theirs if p not in ours]
+        problems = []
+        if missing:
+            are = "are" if len(missing) > 1 else "is"
+            problems.append(f"{name!r}'s {_names(missing)} {are} missing from the source's {name!r}")
+        if unexpected:
+            problems.append(f"the source's {name!r} holds {_names(unexpected)}, which {name!r} has not")
+        if problems:
+            raise InitFromError(f"{where}: {'; '.join(problems)}.")
+        for at, have in theirs.items():
+            want = ours[at]
+            if tuple(have.shape) != tuple(want.shape) or have.dtype != want.dtype:
+                raise InitFromError(
+                    f"{where}: {path_text(at)!r} is {tuple(have.shape)} {have.dtype} there, {tuple(want.shape)} "
+                    f"{want.dtype} in {name!r}."
+                )
+        return ("entry", encoded, [(t.dtype, tuple(t.shape)) for t in tensors]), tensors
+    if not keys:
+        return ("model", ""), []
+    first = keys[0]
+    names = [k for k in template if isinstance(k, str)] if isinstance(template, Mapping) else []
+    prefixes = sorted({k[: len(k) - len(first)] for k in names if k.endswith(first)}, key=len)
+    prefix = next((p for p in prefixes if (not p or p.endswith(".")) and all(p + k in template for k in keys)), None)
+    if prefix is None:
+        why = (
+            "the checkpoint holds no object of that name" if checkpoint
+            else "only a checkpoint of this package holds objects besides the model"
+        )  # fmt: skip
+        raise InitFromError(
+            f"{where}: the source holds no {name!r} of its own ({why}), and {name!r} holds no copy of the model to take "
+            f"the model's weights: its state dict has no {first!r}, as it is or under one prefix (an AveragedModel "
+            "holds the model's keys under 'module.')."
+        )
+    for key in keys:
+        have, want = model[key], template[prefix + key]
+        if not isinstance(want, torch.Tensor) or tuple(have.shape) != tuple(want.shape) or have.dtype != want.dtype:
+            what = f"{tuple(want.shape)} {want.dtype}" if isinstance(want, torch.Tensor) else f"a {type(want).__name__}"
+            raise InitFromError(
+                f"{where}: the model's {key!r} is {tuple(have.shape)} {have.dtype}, {name!r}'s {prefix + key!r} is {what}."
+            )
+    return ("model", prefix), []
+
+
 def load_pretrained(
-    url: str, state: Any, *, missing_ok: Sequence[str] = (), storage_options: Mapping[str, Any] | None = None,
+    url: str, state: Any, *, missing_ok: Sequence[str] = (), objects: Sequence[str] = (),
+    registered: Mapping[str, Any] | None = None, storage_options: Mapping[str, Any] | None = None,
     device: torch.device | None = None, control_group: Any = None,
 ) -> Loaded:  # fmt: skip
     """Load the weights at ``url`` into ``state`` (the run's registered model: ``state_dict()`` /
-    ``load_state_dict()``) on every rank; collective over the default process group when one exists.
+    ``load_state_dict()``) -- and into the objects ``objects`` of ``registered`` (the run's registered
+    objects by name; ``checkpoint.init_from_objects``) -- on every rank; collective over the default
+    process group when one exists.
 
-    Rank 0 reads and checks the source (:func:`read_weights`, :func:`check_fit`); a problem raises
-    the same :class:`InitFromError` on every rank. Then every tensor is broadcast from rank 0 over
-    the default group on ``device`` (the rank's device: NCCL needs CUDA tensors), and every rank
-    loads the same state dict -- the source's tensors, and the model's own values for the keys
-    ``missing_ok`` let it keep (the same on every rank: DDP broadcast rank 0's at its construction).
+    Rank 0 reads and checks the source (:func:`read_weights`, :func:`check_fit`, and for each object
+    its own entry or the model's weights, see the module docstring); a problem raises the same
+    :class:`InitFromError` on every rank, before anything is loaded. Then every tensor is broadcast
+    from rank 0 over the default group on ``device`` (the rank's device: NCCL needs CUDA tensors),
+    and every rank loads the same state dict -- the source's tensors, and the model's own values for
+    the keys ``missing_ok`` let it keep (the same on every rank: DDP broadcast rank 0's at its
+    construction); then each object loads its entry (broadcast likewise) or the model's weights.
     ``control_group``: a gloo group for the small messages (default: the default group).
     """
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
+    targets = _targets(objects, registered or {})
     templates = state.state_dict()
     device = device or torch.device("cpu")
     outcome: Any = None
     weights: dict[str, torch.Tensor] = {}
+    entry_tensors: dict[str, torch.Tensor] = {}
     if rank == 0:
         try:
-            weights, record = read_weights(url, storage_options)
-            outcome = (record, check_fit(weights, templates, missing_ok, url))
+            weights, record, entries = _read_source(url, storage_options, list(targets))
+            kept = check_fit(weights, templates, missing_ok, url)
+            loaded_keys = [key for key in templates if key not in kept]
+            plans = {}
+            for name, obj in targets.items():
+                plans[name], tensors = _object_plan(
+                    name, obj.state_dict(), entries.pop(name, None), templates, loaded_keys, url,
+                    checkpoint=record["format"] == CHECKPOINT,
+                )  # fmt: skip
+                entry_tensors.update({f"{name}/{i}": t for i, t in enumerate(tensors)})
+            outcome = (record, kept, plans)
         except InitFromError as exc:
             outcome = {"error": str(exc), "retryable": exc.retryable}
     if distributed:
@@ -366,17 +498,41 @@ def load_pretrained(
         outcome = box[0]
     if isinstance(outcome, dict):  # rank 0's error, raised alike on every rank
         raise InitFromError(outcome["error"], retryable=outcome["retryable"])
-    record, kept = outcome
+    record, kept, plans = outcome
     keys = [key for key in templates if key not in kept]
     values = {key: torch.empty(tuple(templates[key].shape), dtype=templates[key].dtype, device=device) for key in keys}
-    if rank == 0 and not distributed:
-        for key in keys:
-            values[key].copy_(weights[key])
-    elif distributed:
-        _broadcast(keys, values, weights if rank == 0 else None, device)
+    _fill(keys, values, weights, distributed=distributed, rank=rank, device=device)
     weights.clear()
     state.load_state_dict({**{key: templates[key] for key in kept}, **values})
-    return Loaded(record, len(keys), sum(v.numel() * v.element_size() for v in values.values()), tuple(kept))
+    specs = {f"{name}/{i}": spec for name, plan in plans.items() if plan[0] == "entry" for i, spec in enumerate(plan[2])}
+    entry_values = {key: torch.empty(shape, dtype=dtype, device=device) for key, (dtype, shape) in specs.items()}
+    _fill(list(specs), entry_values, entry_tensors, distributed=distributed, rank=rank, device=device)
+    entry_tensors.clear()
+    done = []
+    for name, plan in plans.items():
+        obj = targets[name]
+        if plan[0] == "entry":
+            obj.load_state_dict(unflatten(plan[1], lambda i, _, name=name: entry_values[f"{name}/{i}"], where=f"{url}: {name}"))
+            done.append((name, OWN_ENTRY))
+            continue
+        # A ModelState copies what it loads; another object may keep the tensors it is given, so it
+        # gets its own (the model and each object never share memory).
+        own = not isinstance(obj, ModelState)
+        taken = {plan[1] + key: values[key].clone() if own else values[key] for key in keys}
+        obj.load_state_dict({**obj.state_dict(), **taken})
+        done.append((name, MODEL_WEIGHTS))
+    nbytes = sum(v.numel() * v.element_size() for v in values.values())
+    return Loaded(record, len(keys), nbytes, tuple(kept), tuple(done))
+
+
+def _fill(keys: list[str], values: dict[str, torch.Tensor], source: dict[str, torch.Tensor], *, distributed: bool,
+          rank: int, device: torch.device) -> None:  # fmt: skip
+    """Fill ``values`` on every rank from ``source`` (rank 0's; empty elsewhere)."""
+    if distributed:
+        _broadcast(keys, values, source if rank == 0 else None, device)
+    else:
+        for key in keys:
+            values[key].copy_(source[key])
 
 
 def _broadcast(keys: list[str], values: dict[str, torch.Tensor], source: dict[str, torch.Tensor] | None,
