@@ -13,6 +13,11 @@ After that checkpoint a rank that received the signal itself exits (:data:`EXIT_
 that did not -- a survivor of a preemption elsewhere -- waits (:func:`wait_for_restart`) until its
 own agent, noticing the membership change, restarts it at the new world size: no step is lost and
 no restart of ``--max-restarts`` is spent.
+
+When the agent stops its workers because nodes of their round are gone (a node died), no step
+boundary can be agreed with the dead: it says so first (:func:`report_members_gone`), and a rank
+that does not leave within :data:`MEMBERS_GONE_GRACE_S` of the signal -- one waiting in a collective
+on a dead peer -- leaves then, instead of after ``checkpoint.grace_s`` or torchrun's SIGKILL.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ import torch.distributed as dist
 
 __all__ = [
     "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
-    "StopAgreement", "StopSignal", "exit_when_orphaned", "flush_and_exit", "read_settings_error", "report_settings_error",
-    "wait_for_restart",
+    "StopAgreement", "StopSignal", "clear_members_gone", "exit_when_orphaned", "flush_and_exit", "members_gone",
+    "read_settings_error", "report_members_gone", "report_settings_error", "wait_for_restart",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -77,7 +82,9 @@ class StopSignal:
     forward once more -- none of them may kill the stop checkpoint. ``grace_s`` bounds the
     cooperative stop: a rank stuck where it cannot reach a step boundary (a hung collective, a peer
     that froze) exits with :data:`EXIT_STOP_TIMEOUT` that long after the first signal instead of
-    waiting for SIGKILL.
+    waiting for SIGKILL -- :data:`MEMBERS_GONE_GRACE_S` when the agent reported that nodes of the
+    round are gone (:func:`members_gone`), since no boundary can be agreed with them. The watcher
+    thread starts that clock when the signal arrives, even while the main thread waits in C++.
 
     Create it in the main thread (Python's signal API requires it).
     """
@@ -89,6 +96,7 @@ class StopSignal:
         self._signals = frozenset(signals)
         self._grace_s = grace_s
         self._timer: threading.Timer | None = None
+        self._timer_lock = threading.Lock()
         self._woken = threading.Event()
         self._stepping = False
         self._restored = False
@@ -99,15 +107,16 @@ class StopSignal:
         os.set_blocking(self._wakeup_write, False)  # required by set_wakeup_fd: a signal never blocks
         self._previous_wakeup = signal.set_wakeup_fd(self._wakeup_write, warn_on_full_buffer=False)
         _WAKEUP_FDS.add(self._wakeup_write)
-        self._watcher = threading.Thread(target=self._exit_before_steps, name="stop-signal-watch", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="stop-signal-watch", daemon=True)
         self._watcher.start()
 
     def steps_started(self) -> None:
         """The training loop starts: from now on a signal is a request to stop at a step boundary."""
         self._stepping = True
 
-    def _exit_before_steps(self) -> None:
-        """The watcher thread: exit on the first of our signals that arrives before the loop starts."""
+    def _watch(self) -> None:
+        """The watcher thread: exit on the first of our signals that arrives before the loop starts;
+        once it has started, start the stop's grace clock."""
         while True:
             try:
                 numbers = os.read(self._wakeup_read, 64)
@@ -121,6 +130,20 @@ class StopSignal:
                 log.warning("Signal %s received before training started: nothing to save yet; exiting with status %d.",
                             signal.Signals(mine[0]).name, EXIT_STOPPED)  # fmt: skip
                 flush_and_exit(EXIT_STOPPED)
+            if mine:
+                self._start_grace(mine[0])
+
+    def _start_grace(self, signum: int) -> None:
+        with self._timer_lock:
+            if self._timer is not None:
+                return
+            gone = members_gone(os.environ.get(ENV_SETTINGS_ERROR_DIR, ""))
+            grace = self._grace_s if gone is None else min(self._grace_s or MEMBERS_GONE_GRACE_S, MEMBERS_GONE_GRACE_S)
+            if grace is None:
+                return
+            self._timer = threading.Timer(grace, self._grace_expired, args=(signum, grace, gone))
+            self._timer.daemon = True
+            self._timer.start()
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is not None:
@@ -132,15 +155,17 @@ class StopSignal:
         self.received = signum
         self.received_at = time.monotonic()
         self._woken.set()
-        if self._grace_s is not None:
-            self._timer = threading.Timer(self._grace_s, self._grace_expired)
-            self._timer.daemon = True
-            self._timer.start()
+        self._start_grace(signum)  # the watcher thread usually has, the moment the signal arrived
 
-    def _grace_expired(self) -> None:
+    def _grace_expired(self, signum: int, grace: float, gone: str | None) -> None:
+        if gone is not None:
+            log.warning("Signal %s: the agent restarts the workers because %s; this rank waits on a peer that is gone "
+                        "(no step boundary can be agreed with it) and leaves now. The run resumes from the newest "
+                        "state in node memory or storage.", signal.Signals(signum).name, gone)  # fmt: skip
+            flush_and_exit(EXIT_STOPPED)
         log.error(
             "Signal %s was received %.0f s ago and this rank has not finished its stop at a step boundary; exiting.",
-            signal.Signals(self.received).name, self._grace_s,
+            signal.Signals(signum).name, grace,
         )  # fmt: skip
         flush_and_exit(EXIT_STOP_TIMEOUT)
 
@@ -301,6 +326,11 @@ def exit_when_orphaned(poll_s: float = 1.0) -> threading.Thread:
 ENV_SETTINGS_ERROR_DIR = "ELASTIC_DDP_SETTINGS_ERROR_DIR"
 ENV_AGENT_PID = "ELASTIC_DDP_AGENT_PID"
 SETTINGS_ERROR_FILE = "settings-error.txt"
+# In the same directory: why the agent is about to stop its workers when nodes of their round are gone.
+MEMBERS_GONE_FILE = "members-gone.txt"
+# How long a rank signalled while nodes of its round are gone may take to leave by itself (a rank
+# waiting for its restart, or between steps, leaves at once; one in a collective with the dead never).
+MEMBERS_GONE_GRACE_S = 1.0
 
 
 def report_settings_error(message: str) -> bool:
@@ -332,3 +362,33 @@ def read_settings_error(directory: str) -> str | None:
         return (Path(directory) / SETTINGS_ERROR_FILE).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
+
+
+def report_members_gone(directory: str, why: str) -> None:
+    """Agent side: the workers are about to be stopped because ``why`` (nodes of their round are
+    gone); written whole before the signal (see :class:`StopSignal`). Best effort."""
+    if not directory:
+        return
+    path = Path(directory) / MEMBERS_GONE_FILE
+    partial = path.with_name(f".{MEMBERS_GONE_FILE}.{os.getpid()}")
+    try:
+        partial.write_text(why, encoding="utf-8")
+        os.replace(partial, path)
+    except OSError:
+        pass
+
+
+def members_gone(directory: str) -> str | None:
+    """Worker side: why the agent stops the workers, when nodes of their round are gone; else None."""
+    if not directory:
+        return None
+    try:
+        return (Path(directory) / MEMBERS_GONE_FILE).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def clear_members_gone(directory: str) -> None:
+    """Agent side, before a new round: its workers start in a group of live nodes."""
+    if directory:
+        Path(directory, MEMBERS_GONE_FILE).unlink(missing_ok=True)

@@ -190,6 +190,43 @@ def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_rec
            checkpoints_verified=j.stop_and_verify_checkpoints())
 
 
+def test_a_dead_node_whose_workers_hang_in_a_collective_is_noticed_in_moments_not_after_the_timeout(job):
+    import os
+    import signal
+
+    from tests.helpers.nodes import descendants
+
+    # Collectives that would wait 300 s for the dead node: only its agent's silence can tell.
+    j = job(flags=[ENDLESS, "--checkpoint.every_steps=5", "--dist.timeout_s=300"])
+    j.add_node(), j.add_node()
+    victim = j.add_node()
+    j.wait_for_step(8, world_size=3)
+    j.wait_for_commit()
+    workers = descendants(victim.pid)
+    mark, t0 = j.mark(), time.monotonic()
+    # Its workers hold their connections open and never answer (as NCCL may hang on a dead peer);
+    # its agent dies.
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    victim.process.kill()
+    try:
+        recovery_s = j.wait_for_training_since(mark, t0, world_size=2, timeout=120)
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    after = j.output_since(mark)
+    # Its predecessor in the ring found its agent gone; the survivors' ranks, stuck in a collective
+    # with the dead, left on their agents' signal within a second instead of torchrun's 30 s.
+    assert "refuses connections (its agent is gone)" in after, after[-4000:]
+    assert "waits on a peer that is gone" in after, after[-4000:]
+    report("dead node, its workers hung (agent SIGKILLed, workers SIGSTOPped)",
+           "ring probe removes it; survivors' ranks leave their collective on the restart", round(recovery_s, 1), None,
+           dist_timeout_s=300, checkpoints_verified=j.stop_and_verify_checkpoints())  # fmt: skip
+
+
 @pytest.fixture
 def own_etcd(tmp_path):
     """An etcd of this test alone (it is stopped and killed on purpose)."""

@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, report_settings_error
+from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, members_gone, report_settings_error
 from elastic_ddp.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
 from elastic_ddp.rendezvous.client import EtcdClient, EtcdConnectionError, Range
@@ -144,6 +144,39 @@ def test_after_a_failure_the_round_completes_without_waiting_for_a_node_whose_ag
     assert etcd_client.lease_ttl(c._lease) > 60
     previous = record(etcd_client, run.keys).round - 1
     assert etcd_client.range(Range.prefix(run.keys.joins(previous), count_only=True)).count == 0  # c's removed
+
+
+def test_while_a_round_trains_a_member_whose_agent_is_gone_is_removed_at_once_and_every_agent_restarts(run, etcd_client):
+    a, b, c = (run(1, 3, "127.0.0.1", **SLOW_TO_NOTICE) for _ in range(3))
+    join_all(a, b, c)
+    assert [h.num_nodes_waiting() for h in (a, b, c)] == [0, 0, 0]
+    _killed(b)
+    # Its predecessor in the ring probes it: no collective failed, its lease (120 s) still runs.
+    wait_for(lambda: a.num_nodes_waiting() == 1 and c.num_nodes_waiting() == 1, 10, what="b's departure")
+    assert etcd_client.lease_ttl(b._lease) > 60
+    # Each agent told its workers why it stops them, before it does.
+    joined = record(etcd_client, run.keys).round
+    assert members_gone(a.settings_error_dir) == members_gone(c.settings_error_dir) == f"1 node(s) left round {joined}"
+    assert ranks(join_all(a, c)) == [(0, 2), (1, 2)]
+    assert members_gone(a.settings_error_dir) is None  # the next workers start in a group of live nodes
+
+
+def test_each_member_probes_one_other_in_a_ring_and_a_round_of_one_probes_none(run, monkeypatch):
+    class Recorded:
+        def __init__(self, address, *args, **kwargs) -> None:
+            self.address = address
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(handler_module, "SuccessorWatch", Recorded)
+    handlers = [run(1, 3, "127.0.0.1") for _ in range(3)]
+    join_all(*handlers)
+    probed = {h._liveness.port: h._successor.address[1] for h in handlers}
+    assert sorted(probed.values()) == sorted(probed)  # every node probed, by exactly one other
+    assert all(own != other for own, other in probed.items())
+    join_all(handlers[0])
+    assert handlers[0]._successor is None
 
 
 def test_a_node_whose_agent_still_answers_is_waited_for(run, etcd_client):

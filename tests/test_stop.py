@@ -27,7 +27,10 @@ from elastic_ddp.stop import (
     EXIT_STOP_TIMEOUT,
     StopAgreement,
     StopSignal,
+    clear_members_gone,
+    members_gone,
     read_settings_error,
+    report_members_gone,
     report_settings_error,
     wait_for_restart,
 )
@@ -102,6 +105,50 @@ def test_a_stop_that_does_not_finish_within_the_grace_period_exits_with_its_own_
     assert result.returncode == EXIT_STOP_TIMEOUT, result.stderr
     assert result.stdout.splitlines() == ["stopping True 1"]
     assert "has not finished its stop at a step boundary; exiting" in result.stderr
+
+
+# The main thread waits in C++ (as in a collective whose peer is gone), where no Python signal
+# handler runs until the call returns; the signal comes from another thread once it waits.
+_BLOCKED_IN_CPP = """
+    import datetime, logging, os, signal, sys, threading
+    import torch.distributed as dist
+    from elastic_ddp.stop import StopSignal, report_members_gone
+    logging.basicConfig(level=logging.INFO)
+    if sys.argv[1] == "gone":
+        report_members_gone(os.environ["ELASTIC_DDP_SETTINGS_ERROR_DIR"], "1 node(s) left round 7")
+    stop = StopSignal(grace_s=float(sys.argv[2]))
+    stop.steps_started()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=100))
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    store.wait(["never"])
+    print("still running", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "grace_s", "status", "says"),
+    [
+        ("gone", "600", EXIT_STOPPED, "because 1 node(s) left round 7; this rank waits on a peer that is gone"),
+        ("preempted", "2", EXIT_STOP_TIMEOUT, "has not finished its stop at a step boundary; exiting"),
+    ],
+)
+def test_a_rank_blocked_in_cpp_when_signalled_leaves_after_its_grace_short_when_nodes_of_its_round_are_gone(
+    tmp_path, monkeypatch, case, grace_s, status, says
+):
+    monkeypatch.setenv(ENV_SETTINGS_ERROR_DIR, str(tmp_path))
+    result = python(_BLOCKED_IN_CPP, case, grace_s, timeout=60)
+    assert result.returncode == status, result.stderr
+    assert result.stdout == ""
+    assert says in result.stderr
+
+
+def test_members_gone_is_read_until_the_agent_clears_it_for_the_next_workers(tmp_path):
+    assert members_gone(str(tmp_path)) is None and members_gone("") is None
+    report_members_gone(str(tmp_path), "2 node(s) left round 3")
+    assert members_gone(str(tmp_path)) == "2 node(s) left round 3"
+    clear_members_gone(str(tmp_path))
+    assert members_gone(str(tmp_path)) is None
+    clear_members_gone(str(tmp_path))  # idempotent
 
 
 def test_before_the_training_loop_a_signal_ends_the_process_at_once_with_the_stop_status():

@@ -59,6 +59,16 @@ full, closing at shutdown):
    ``first_round_timeout`` (torch's 30 s; it ends at once when ``max_nodes`` registered), so nodes
    started seconds apart form one round instead of costing the job one restart each; later
    rounds use ``last_call_timeout``.
+8. **A member whose agent is gone is noticed in moments, not after its lease.** While a round
+   trains, each member probes the next member in key order (the last probes the first; one
+   connection per ``_SUCCESSOR_PROBE_INTERVAL_S``, whatever the job's size; the successor is read
+   in the same transaction that tells the node its rank). A refusal removes the member's
+   registration (compare-and-delete on the key as read), which every member sees through its
+   watch (1.): the agents restart their workers within a second of a node's death, whatever the
+   workers' collectives do -- NCCL may wait for a dead peer until its own timeout. Before they
+   stop their workers, the agents leave a mark for them (:func:`elastic_ddp.stop.report_members_gone`):
+   a rank waiting on a peer that is gone cannot reach a step boundary, so it leaves within a second
+   instead of waiting out its stop grace (or torchrun's 30 s before SIGKILL).
 """
 
 from __future__ import annotations
@@ -88,15 +98,17 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, read_settings_error
+from elastic_ddp.stop import (
+    ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, clear_members_gone, read_settings_error, report_members_gone,
+)  # fmt: skip
 from elastic_ddp.rendezvous.client import (
     Backoff, Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError,
-    KeyValue, LeaseKeepAlive, Put, Range, TxnResult, WatchStream,
+    KeyValue, LeaseKeepAlive, Put, Range, TxnResult, WatchStream, prefix_end,
 )  # fmt: skip
 from elastic_ddp.rendezvous.rounds import (
     COMPLETE, LAST_CALL, MAX_REASON_LENGTH, OPEN, RoundRecord, Seen, Step, decide, node_key,
 )  # fmt: skip
-from elastic_ddp.rendezvous.liveness import LivenessListener, parse_address, probe
+from elastic_ddp.rendezvous.liveness import LivenessListener, SuccessorWatch, parse_address, probe
 from elastic_ddp.rendezvous.store import EtcdV3Store
 from elastic_ddp.rendezvous.view import RoundView, RunKeys, Snapshot, run_lease_id
 
@@ -126,6 +138,8 @@ _PROBE_DELAY_S = 0.1
 _PROBE_INTERVAL_S = 0.5
 _PROBE_LIMIT = 64
 _PROBE_TIMEOUT_S = 0.5
+# While a round trains, each member probes the next one this often (module docstring, 8.).
+_SUCCESSOR_PROBE_INTERVAL_S = 0.25
 
 
 class InvalidSettingsError(RendezvousClosedError):
@@ -250,6 +264,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._joined: int | None = None  # the last round this node was a member of
         self._joined_total = 0  # registrations of that round at its completion
         self._reported: tuple | None = None
+        self._successor: SuccessorWatch | None = None
         self._finished = False
         self._shared_tcp_store_server: dist.Store | None = None
         self._bootstrap_store_info: RendezvousStoreInfo | None = None
@@ -307,6 +322,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         log.info("The node '%s' attempts to join the next round of the rendezvous '%s'.", self._node_text,
                  self._settings.run_id)  # fmt: skip
         self._view.stop_following()
+        self._stop_successor_watch()
+        clear_members_gone(self._settings_error_dir)  # the next workers start in a group of live nodes
         self._reported = None
         try:
             rank, world_size, round_ = self._join()
@@ -350,6 +367,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return 1
         gone = self._view.gone()
         if gone:
+            report_members_gone(self._settings_error_dir, f"{len(gone)} node(s) left round {self._joined}")
             self._report(("gone", gone), "%d node(s) left round %d of the rendezvous '%s'; restarting the workers at "
                          "the new membership.", len(gone), self._joined, self._settings.run_id)  # fmt: skip
             return len(gone)
@@ -407,6 +425,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._finished:
             return
         self._finished = True
+        self._stop_successor_watch()
         self._view.close()
         self._keep_alive.close()
         self._stream.close()
@@ -808,11 +827,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
             result = self._client.txn([], [
                 Range.prefix(prefix, count_only=True, revision=at),
                 Range(prefix, mine + b"\x00", revision=at, keys_only=True, limit=1, descending=True),
+                Range(mine + b"\x00", prefix_end(prefix), revision=at, limit=1),  # the successor (8.)
             ])  # fmt: skip
         except EtcdCompactedError:
             known.rejected, known.size = round_, (round_, 0, 0)
             return None
-        total, upto = result.results
+        total, upto, after = result.results
         size = min(total.count, self._settings.max_nodes)
         rank = upto.count - 1
         present = bool(upto.kvs) and upto.kvs[0].key == mine
@@ -831,7 +851,45 @@ class EtcdRendezvousHandler(RendezvousHandler):
             last_member = members.kvs[-1].key
         self._joined, self._joined_total = round_, total.count
         self._view.follow_members(round_, at, last_member)
+        self._watch_successor(round_, at, after.kvs[0] if after.kvs else None, last_member)
         return rank, size, round_
+
+    def _watch_successor(self, round_: int, at: int, after: KeyValue | None, last_member: bytes | None) -> None:
+        """Probe the member after this one in key order, the first after the last (8.)."""
+        if after is None or (last_member is not None and after.key > last_member):
+            try:  # the last member: one more read, by one node of the round
+                first = self._client.range(Range.prefix(self._keys.joins(round_), revision=at, limit=1)).kvs
+            except EtcdError as exc:
+                log.debug("No successor to probe in round %d (%s); its lease tells if it dies.", round_, exc)
+                return
+            after = first[0] if first else None
+        if after is None or after.key == self._keys.join(round_, self._node):
+            return  # a round of one
+        address = _probe_address(after.value)
+        if address is None:
+            return
+        self._successor = SuccessorWatch(
+            address, lambda: self._remove_gone_member(round_, after), _SUCCESSOR_PROBE_INTERVAL_S, _PROBE_TIMEOUT_S,
+            name=f"rdzv-successor-{self._node_text}",
+        )  # fmt: skip
+
+    def _remove_gone_member(self, round_: int, member: KeyValue) -> None:
+        """The successor refused a probe: remove its registration, as it was read (8.)."""
+        try:
+            result = self._client.txn([Compare.mod_revision(member.key, member.mod_revision)], [DeleteRange(member.key)])
+        except EtcdError as exc:
+            log.warning("A member of round %d of the rendezvous '%s' refuses connections (its agent is gone), but its "
+                        "registration could not be removed (%s); its lease ends within %d s.", round_,
+                        self._settings.run_id, exc, self._settings.lease_ttl)  # fmt: skip
+            return
+        if result.succeeded:
+            log.info("A member of round %d of the rendezvous '%s' refuses connections (its agent is gone): removed its "
+                     "registration, so every member restarts now.", round_, self._settings.run_id)  # fmt: skip
+
+    def _stop_successor_watch(self) -> None:
+        if self._successor is not None:
+            self._successor.stop()
+            self._successor = None
 
     def _withdraw(self) -> None:
         """Remove this node's registration from a round it gives up on (best effort)."""

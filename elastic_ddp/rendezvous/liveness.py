@@ -10,6 +10,13 @@ previous round, the node that called it *probes* those that have not come over
 and the round completes without waiting for the lease or the last call. A connection that
 succeeds, or no answer (a host that is down or unreachable drops packets instead of refusing
 them), proves nothing: the round then waits as before.
+
+While a round trains, each member also watches one other -- the next in the round's key order, the
+last watching the first -- with :class:`SuccessorWatch`: a probe every quarter second, so a
+member whose agent is gone is removed within moments, and every agent restarts its workers
+through the watch it already has on the round's members, whatever the workers' collectives are
+doing (NCCL may wait for a dead peer until its own timeout). A ring costs each node one
+connection per probe interval, whatever the job's size.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import selectors
 import socket
 import threading
 
-__all__ = ["LivenessListener", "parse_address", "probe"]
+__all__ = ["LivenessListener", "SuccessorWatch", "parse_address", "probe"]
 
 # Refusals that can only come from the probed host's kernel: nothing listens on the port.
 _REFUSED = {errno.ECONNREFUSED}
@@ -132,3 +139,27 @@ def probe(addresses: dict[bytes, tuple[str, int]], timeout: float) -> list[bytes
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rdzv-probe") as pool:
         refused = dict(zip(addresses, pool.map(lambda a: _refused(a, timeout), addresses.values())))
     return [key for key, gone in refused.items() if gone]
+
+
+class SuccessorWatch:
+    """Probe ``address`` every ``interval`` s (each probe bounded by ``timeout``) on a daemon thread
+    until it refuses a connection -- then call ``on_gone`` once and end -- or until :meth:`stop`."""
+
+    def __init__(self, address: tuple[str, int], on_gone, interval: float, timeout: float, name: str) -> None:
+        self.address = address
+        self._on_gone = on_gone
+        self._interval = interval
+        self._timeout = timeout
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            if _refused(self.address, self._timeout) and not self._stopped.is_set():
+                self._on_gone()
+                return
+
+    def stop(self) -> None:
+        """End the watch (at once; a probe in flight finishes without effect). Idempotent."""
+        self._stopped.set()
