@@ -159,3 +159,15 @@ def test_a_resize_to_3_ranks_trains_on_with_balanced_micro_batches_and_the_same_
     assert list(history) == list(want)
     assert [e.all_indices for e in history.values()] == [e.all_indices for e in want.values()]
     assert {e.world_size for s, e in history.items() if s > 20} == {3}
+
+
+def test_a_fine_tune_starts_its_ema_from_the_sources_own_ema_when_init_from_objects_names_it(tmp_path) -> None:
+    run(tmp_path, "base", "--train.max_steps=20", ranks=3)
+    source = tmp_path / "base" / "checkpoints" / "step-000000020"
+    averaged = int(final_state(tmp_path, "base", 0)["ema"]["n_averaged"])
+    assert averaged == 20
+    output = run(tmp_path, "tuned", f"--checkpoint.init_from={source}", "--checkpoint.init_from_objects=ema",
+                 "--train.max_steps=1", ranks=3)  # fmt: skip
+    assert "ema from its own entry" in output, output[-4000:]
+    # One update after the source's 20 on every rank: the EMA went on from the source's, not from scratch.
+    assert [int(final_state(tmp_path, "tuned", rank)["ema"]["n_averaged"]) for rank in range(3)] == [averaged + 1] * 3
