@@ -90,7 +90,11 @@ def render_from(dirs: list[str]) -> int:
     if missing or not machines:
         print(f"error: no results for {', '.join(missing) or 'the machine'} in {', '.join(dirs)}", file=sys.stderr)
         return 2
-    machine = dict(machines[-1])
+    # The newest run's description, where it knew a value: a run started without the virtualenv's
+    # scripts on PATH sees no etcd binary, though its benchmarks started the bundled one.
+    machine: dict = {}
+    for each in machines:
+        machine.update({key: value for key, value in each.items() if value != "not installed" or key not in machine})
     dates = sorted({m["date"] for m in machines})
     if len(dates) > 1:
         machine["date"] = f"{dates[0]} to {dates[-1]} (comparisons from {len(dates)} runs on this machine)"
