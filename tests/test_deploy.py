@@ -615,23 +615,37 @@ def test_slurm_script_requeues_on_sigterm_before_the_time_limit(monkeypatch):
 _FAKE_SRUN = """#!/bin/bash
 printf '%s\\n' "$@" > "$FAKE_LOG/srun.args"
 if [[ $FAKE_SRUN_EXIT != wait ]]; then exit "$FAKE_SRUN_EXIT"; fi
-trap 'echo TERM >> "$FAKE_LOG/srun.signals"; exit 0' TERM
+echo $$ > "$FAKE_LOG/srun.pid"
+# A SIGTERM to srun itself: a real srun SIGKILLs its tasks (recorded, and ignored here).
+trap 'echo TERM >> "$FAKE_LOG/srun.signals"' TERM
+# USR1 stands for Slurm signalling the step's tasks (the fake scancel): the agents stop, torchrun
+# exits 1 after a signal, and srun returns that.
+trap 'echo tasks >> "$FAKE_LOG/srun.signals"; exit 1' USR1
 touch "$FAKE_LOG/srun.started"
 while true; do sleep 0.05; done
 """
+_FAKE_SCANCEL = """#!/bin/bash
+echo "$*" >> "$FAKE_LOG/scancel.calls"
+kill -USR1 "$(cat "$FAKE_LOG/srun.pid")"
+"""
 _FAKE_SCONTROL = """#!/bin/bash
 echo "$*" >> "$FAKE_LOG/scontrol.calls"
+if [[ $1 == show ]]; then echo "JobId=$SLURM_JOB_ID JobState=$FAKE_JOB_STATE PreemptTime=$FAKE_PREEMPT_TIME"; fi
 """
 
 
-def _run_sbatch(tmp_path: Path, srun_exit: str, terminate: bool) -> tuple[int, Path, str]:
-    """Run train.sbatch with fake srun/scontrol on PATH; optionally SIGTERM it once srun runs."""
+def _run_sbatch(
+    tmp_path: Path, srun_exit: str, terminate: bool, *, job_state: str = "RUNNING", preempt_time: str = "None",
+    env: dict[str, str] | None = None,
+) -> tuple[int, Path, str]:
+    """Run train.sbatch with fake srun/scancel/scontrol on PATH; optionally SIGTERM it once srun runs.
+    ``job_state`` and ``preempt_time`` are what the fake `scontrol show job` says."""
     import signal
     import time
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in (("srun", _FAKE_SRUN), ("scontrol", _FAKE_SCONTROL)):
+    for name, body in (("srun", _FAKE_SRUN), ("scancel", _FAKE_SCANCEL), ("scontrol", _FAKE_SCONTROL)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     env = {
@@ -639,11 +653,14 @@ def _run_sbatch(tmp_path: Path, srun_exit: str, terminate: bool) -> tuple[int, P
         "HOME": str(tmp_path),
         "FAKE_LOG": str(tmp_path),
         "FAKE_SRUN_EXIT": srun_exit,
+        "FAKE_JOB_STATE": job_state,
+        "FAKE_PREEMPT_TIME": preempt_time,
         "ELASTIC_DDP_HOME": str(tmp_path),
         "SLURM_JOB_ID": SHELL_VALUES["SLURM_JOB_ID"],
         "SLURM_JOB_NUM_NODES": "3",
         "SLURM_JOB_NODELIST": "node[1-3]",
         "ETCD_ENDPOINT": SHELL_VALUES["ETCD_ENDPOINT"],
+        **(env or {}),
     }
     process = subprocess.Popen(
         ["bash", str(SBATCH), "--train.max_steps=7"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -658,20 +675,48 @@ def _run_sbatch(tmp_path: Path, srun_exit: str, terminate: bool) -> tuple[int, P
     return process.returncode, tmp_path, output
 
 
-def test_slurm_script_forwards_sigterm_to_srun_then_requeues(tmp_path: Path):
+def _calls(log: Path, command: str) -> list[str]:
+    path = log / f"{command}.calls"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_slurm_script_passes_sigterm_to_the_steps_not_to_srun_then_requeues(tmp_path: Path):
     code, log, output = _run_sbatch(tmp_path, "wait", terminate=True)
     assert code == 0, output
-    assert (log / "srun.signals").read_text().split() == ["TERM"], "SIGTERM not forwarded to srun"
-    assert (log / "scontrol.calls").read_text().split() == ["requeue", SHELL_VALUES["SLURM_JOB_ID"]]
+    assert _calls(log, "scancel") == [f"--signal=TERM {SHELL_VALUES['SLURM_JOB_ID']}"], "SIGTERM not passed to the steps"
+    # Through Slurm to the tasks only: srun itself, which would SIGKILL them, is never signalled.
+    assert (log / "srun.signals").read_text().split() == ["tasks"]
+    assert _calls(log, "scontrol")[-1] == f"requeue {SHELL_VALUES['SLURM_JOB_ID']}"
     srun_args = (log / "srun.args").read_text().splitlines()
-    assert "--nnodes=2:3" in srun_args and srun_args[-1] == "--train.max_steps=7", srun_args
+    assert "--nnodes=1:3" in srun_args and srun_args[-1] == "--train.max_steps=7", srun_args
+
+
+def test_slurm_script_does_not_requeue_a_job_slurm_is_ending(tmp_path: Path):
+    # `scancel JOBID` (or `scontrol requeue`, or the time limit reached): SIGTERM to the shell while
+    # Slurm already counts the job as COMPLETING; requeueing would undo a cancel.
+    code, log, output = _run_sbatch(tmp_path, "wait", terminate=True, job_state="COMPLETING")
+    assert code == 1, output  # srun's status: torchrun exits 1 after a signal
+    assert not any(call.startswith("requeue") for call in _calls(log, "scontrol")), output
+
+
+def test_slurm_script_never_asks_for_more_nodes_than_it_was_given(tmp_path: Path):
+    code, log, output = _run_sbatch(tmp_path, "0", terminate=False, env={"MIN_NODES": "4"})
+    assert code == 0, output
+    assert "--nnodes=3:3" in (log / "srun.args").read_text().splitlines(), output
+
+
+def test_slurm_script_requeues_a_preempted_job_whose_shell_got_no_signal(tmp_path: Path):
+    code, log, output = _run_sbatch(tmp_path, "1", terminate=False, preempt_time="2026-01-01T00:00:00")
+    assert code == 0, output
+    assert _calls(log, "scontrol")[-1] == f"requeue {SHELL_VALUES['SLURM_JOB_ID']}"
+    assert not _calls(log, "scancel")
 
 
 @pytest.mark.parametrize("srun_exit", ["0", "3"])
 def test_slurm_script_without_sigterm_does_not_requeue(tmp_path: Path, srun_exit: str):
     code, log, output = _run_sbatch(tmp_path, srun_exit, terminate=False)
     assert code == int(srun_exit), output
-    assert not (log / "scontrol.calls").exists(), "requeued a job that was not terminated"
+    assert not any(call.startswith("requeue") for call in _calls(log, "scontrol")), "requeued a job that was not terminated"
 
 
 # ---------------------------------------------------------------------------------------------

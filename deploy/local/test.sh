@@ -22,6 +22,10 @@ if [[ $started != none && $started != "$installed" ]]; then
     exit 1
 fi
 
+# A one-host Slurm for tests/test_slurm_e2e.py (needs root and apt-get; without them those tests
+# fail, saying what to install).
+bash deploy/local/install-slurm.sh || echo "warning: Slurm is not installed; tests/test_slurm_e2e.py will fail." >&2
+
 status=0
 put_scripts_on_path  # tests and the processes they start find etcdctl, moto_server, ... as when activated
 "$python" -m pytest "$@" || status=$?
