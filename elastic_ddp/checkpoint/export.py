@@ -40,7 +40,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-import hmac
 import json
 import os
 import queue
@@ -57,11 +56,12 @@ from typing import Any
 import torch
 
 from elastic_ddp.checkpoint import manifest as mf
-from elastic_ddp.checkpoint.errors import CheckpointError, CheckpointVerificationError
+from elastic_ddp.checkpoint.errors import CheckpointError
 from elastic_ddp.checkpoint.index import Index, IndexFile
 from elastic_ddp.checkpoint.sharded import destinations, restore_tree, tensor_paths
+from elastic_ddp.checkpoint.shards import check_read, file_record, open_checked
 from elastic_ddp.checkpoint.staging import as_buffer, byte_view
-from elastic_ddp.checkpoint.storage import Storage, StorageError, join
+from elastic_ddp.checkpoint.storage import Storage, join
 from elastic_ddp.checkpoint.tree import Path, TensorSpec, path_text, unflatten
 
 FORMATS = ("torch", "safetensors", "dcp")
@@ -155,7 +155,7 @@ def open_objects(
     for name in names:
         stored = StoredObject(name, storage, dir_url, index, expected, tensor_paths(index, [name]))
         for file in stored.files():
-            _record_of(expected, file.name)
+            file_record(expected, file.name)
         out[name] = stored
     return out
 
@@ -186,30 +186,6 @@ def load_objects(
     return {name: restore_tree(index, name, dests) for name in names}
 
 
-def _record_of(expected: Mapping[str, mf.FileRecord], name: str) -> mf.FileRecord:
-    record = expected.get(name)
-    if record is None:
-        raise CheckpointVerificationError(f"The manifest does not list {name!r}.", name, "the manifest does not list it")
-    return record
-
-
-def _mismatch(
-    name: str, url: str, record: mf.FileRecord, pos: int, extra: int, digest: str
-) -> CheckpointVerificationError | None:
-    """Why the file ``name`` read as ``pos`` bytes (``extra``: more followed) with ``digest`` is not
-    what the manifest records, or None when it is."""
-    if pos != record.size or extra:
-        reason = (
-            f"{pos} bytes were read, the manifest says {record.size}" if pos != record.size
-            else f"it is longer than the {record.size} bytes the manifest says"
-        )  # fmt: skip
-    elif not hmac.compare_digest(digest, record.digest):
-        reason = f"its {record.algorithm.upper()} checksum does not match the manifest"
-    else:
-        return None
-    return CheckpointVerificationError(f"The file {name!r} at {url!r} does not match its manifest: {reason}.", name, reason)
-
-
 def _read_file_into(
     storage: Storage, dir_url: str, file: IndexFile, index: Index, dests: Mapping[int, torch.Tensor],
     expected: Mapping[str, mf.FileRecord],
@@ -217,7 +193,7 @@ def _read_file_into(
     """Read ``file`` front to back: its pieces of tensors in ``dests`` into them, everything else
     (pieces of other tensors, other ranks' values after the pieces) through a bounce buffer; all of
     it hashed and checked against the manifest's record."""
-    record = _record_of(expected, file.name)
+    record = file_record(expected, file.name)
     url = join(dir_url, file.name)
     targets: list[memoryview | int] = []  # where each span of the file goes: a tensor's bytes, or a count to skip
     for piece in file.pieces:
@@ -229,30 +205,23 @@ def _read_file_into(
     hasher = mf.new_hasher(record.algorithm)
     bounce = memoryview(bytearray(min(_CHUNK, max((t for t in targets if isinstance(t, int)), default=0))))
     pos = 0
-    try:
-        with storage.open_read(url, sequential=True) as stream:
-            for target in targets:
-                into = target if isinstance(target, memoryview) else None
-                size = len(target) if into is not None else target
-                done = 0
-                while done < size:
-                    part = into[done : done + _CHUNK] if into is not None else bounce[: min(_CHUNK, size - done)]
-                    n = stream.readinto(part)
-                    if not n:
-                        break
-                    hasher.update(part[:n])
-                    done += n
-                pos += done
-                if done < size:
+    with open_checked(storage, url, file.name) as stream:
+        for target in targets:
+            into = target if isinstance(target, memoryview) else None
+            size = len(target) if into is not None else target
+            done = 0
+            while done < size:
+                part = into[done : done + _CHUNK] if into is not None else bounce[: min(_CHUNK, size - done)]
+                n = stream.readinto(part)
+                if not n:
                     break
-            extra = len(stream.read(1)) if pos == record.size else 0
-    except FileNotFoundError:
-        raise CheckpointVerificationError(f"The file {url!r} is missing.", file.name, "the file is missing") from None
-    except StorageError as exc:
-        raise CheckpointVerificationError(str(exc), file.name, f"reading failed: {exc}") from exc
-    failed = _mismatch(file.name, url, record, pos, extra, hasher.hexdigest())
-    if failed is not None:
-        raise failed
+                hasher.update(part[:n])
+                done += n
+            pos += done
+            if done < size:
+                break
+        extra = len(stream.read(1)) if pos == record.size else 0
+    check_read(file.name, url, record, pos, extra, hasher.hexdigest())
 
 
 class _Spans:
@@ -306,7 +275,7 @@ class _Spans:
     def _read_file(self, file: IndexFile) -> bool:
         """Read, hash and hand over one file; False when told to stop."""
         stored = self._stored
-        record = _record_of(stored.expected, file.name)
+        record = file_record(stored.expected, file.name)
         url = join(stored.url, file.name)
         # (offset in the file, tensor, offset in the tensor, bytes) of this object's pieces, in file order.
         wanted = []
@@ -317,37 +286,30 @@ class _Spans:
         hasher = mf.new_hasher(record.algorithm)
         pos = extra = 0
         k = 0  # the first wanted piece not yet handed over in full
-        try:
-            with stored.storage.open_read(url, sequential=True) as stream:
-                while pos < record.size:
-                    buffer = self._free.get()
-                    if buffer is None or self._stop.is_set():
-                        return False
-                    want = min(_CHUNK, record.size - pos)
-                    n = 0
-                    while n < want and (got := stream.readinto(buffer[n:want])):
-                        n += got
-                    hasher.update(buffer[:n])
-                    spans = []
-                    while k < len(wanted) and wanted[k][0] < pos + n:
-                        start, tensor, at, size = wanted[k]
-                        lo, hi = max(start, pos), min(start + size, pos + n)
-                        spans.append((tensor, at + lo - start, buffer[lo - pos : hi - pos]))
-                        if hi < start + size:
-                            break  # the piece goes on in the next chunk
-                        k += 1
-                    self._ready.put((buffer, spans))
-                    pos += n
-                    if n < want:
-                        break
-                extra = len(stream.read(1)) if pos == record.size else 0
-        except FileNotFoundError:
-            raise CheckpointVerificationError(f"The file {url!r} is missing.", file.name, "the file is missing") from None
-        except StorageError as exc:
-            raise CheckpointVerificationError(str(exc), file.name, f"reading failed: {exc}") from exc
-        failed = _mismatch(file.name, url, record, pos, extra, hasher.hexdigest())
-        if failed is not None:
-            raise failed
+        with open_checked(stored.storage, url, file.name) as stream:
+            while pos < record.size:
+                buffer = self._free.get()
+                if buffer is None or self._stop.is_set():
+                    return False
+                want = min(_CHUNK, record.size - pos)
+                n = 0
+                while n < want and (got := stream.readinto(buffer[n:want])):
+                    n += got
+                hasher.update(buffer[:n])
+                spans = []
+                while k < len(wanted) and wanted[k][0] < pos + n:
+                    start, tensor, at, size = wanted[k]
+                    lo, hi = max(start, pos), min(start + size, pos + n)
+                    spans.append((tensor, at + lo - start, buffer[lo - pos : hi - pos]))
+                    if hi < start + size:
+                        break  # the piece goes on in the next chunk
+                    k += 1
+                self._ready.put((buffer, spans))
+                pos += n
+                if n < want:
+                    break
+            extra = len(stream.read(1)) if pos == record.size else 0
+        check_read(file.name, url, record, pos, extra, hasher.hexdigest())
         return True
 
 

@@ -34,12 +34,11 @@ import torch
 
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.divergence import AllMax, classify, describe
-from elastic_ddp.checkpoint.errors import CheckpointVerificationError
 from elastic_ddp.checkpoint.index import Index, RankState
 from elastic_ddp.checkpoint.layout import Layout, file_name, plan
-from elastic_ddp.checkpoint.shards import read_file, write_file
+from elastic_ddp.checkpoint.shards import file_record, read_file, write_file
 from elastic_ddp.checkpoint.staging import Source, Staged, as_buffer, byte_view
-from elastic_ddp.checkpoint.storage import Storage, StorageError, join
+from elastic_ddp.checkpoint.storage import Storage, join
 from elastic_ddp.checkpoint.tree import Path, TensorSpec, TreeError, leaf, path_text, unflatten
 
 
@@ -172,17 +171,9 @@ def read_files(
     """
 
     def one(name: str) -> torch.Tensor:
-        record = expected.get(name)
-        if record is None:
-            raise CheckpointVerificationError(f"The manifest does not list {name!r}.", name, "the manifest does not list it")
+        record = file_record(expected, name)
         buffer = torch.empty(record.size, dtype=torch.uint8)
-        url = join(dir_url, name)
-        try:
-            read_file(storage, url, as_buffer(buffer), expected=record)
-        except FileNotFoundError:
-            raise CheckpointVerificationError(f"The file {url!r} is missing.", name, "the file is missing") from None
-        except StorageError as exc:
-            raise CheckpointVerificationError(str(exc), name, f"reading failed: {exc}") from exc
+        read_file(storage, join(dir_url, name), as_buffer(buffer), expected=record)
         return buffer
 
     futures = {name: pool.submit(one, name) for name in names}

@@ -10,16 +10,17 @@ on object stores.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import queue
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, BinaryIO
 
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.errors import CheckpointVerificationError
 from elastic_ddp.checkpoint.faults import fault_point
-from elastic_ddp.checkpoint.storage import Storage, basename
+from elastic_ddp.checkpoint.storage import Storage, StorageError, basename
 
 CHUNK = 16 << 20
 
@@ -89,19 +90,54 @@ def write_file(
         hasher.close()
 
 
+def file_record(expected: Mapping[str, mf.FileRecord], name: str) -> mf.FileRecord:
+    """The manifest's record of the file ``name``; :class:`CheckpointVerificationError` if it lists none."""
+    record = expected.get(name)
+    if record is None:
+        raise CheckpointVerificationError(f"The manifest does not list {name!r}.", name, "the manifest does not list it")
+    return record
+
+
+@contextlib.contextmanager
+def open_checked(storage: Storage, url: str, name: str) -> Iterator[BinaryIO]:
+    """``url`` open for a sequential read; the file missing, or failing to open or to read within the
+    block, raises :class:`CheckpointVerificationError` naming ``name``."""
+    try:
+        with storage.open_read(url, sequential=True) as stream:
+            yield stream
+    except FileNotFoundError:
+        raise CheckpointVerificationError(f"The file {url!r} is missing.", name, "the file is missing") from None
+    except StorageError as exc:
+        raise CheckpointVerificationError(str(exc), name, f"reading failed: {exc}") from exc
+
+
+def check_read(name: str, url: str, record: mf.FileRecord, pos: int, extra: int, digest: str) -> None:
+    """Raise :class:`CheckpointVerificationError` unless the file ``name``, read as ``pos`` bytes
+    (``extra``: more followed) hashing to ``digest``, is what ``record`` says."""
+    if pos != record.size or extra:
+        reason = (
+            f"{pos} bytes were read, the manifest says {record.size}" if pos != record.size
+            else f"it is longer than the {record.size} bytes the manifest says"
+        )  # fmt: skip
+    elif not hmac.compare_digest(digest, record.digest):
+        reason = f"its {record.algorithm.upper()} checksum does not match the manifest"
+    else:
+        return
+    raise CheckpointVerificationError(f"The file {name!r} at {url!r} does not match its manifest: {reason}.", name, reason)
+
+
 def read_file(storage: Storage, url: str, into: memoryview, *, expected: mf.FileRecord) -> int:
     """Read ``url`` into ``into`` (exactly its expected size), checking its checksum as it streams.
 
     Returns the number of bytes read. Raises :class:`CheckpointVerificationError` if the file is
-    shorter or longer than ``into`` or its checksum is not ``expected``'s; storage failures raise
-    ``StorageError`` (``FileNotFoundError`` for a missing file).
+    missing or unreadable, shorter or longer than ``into``, or its checksum is not ``expected``'s.
     """
     name = basename(url)
     size = len(into)
     hasher = _Hasher(expected.algorithm)
     pos = 0
     try:
-        with storage.open_read(url, sequential=True) as stream:
+        with open_checked(storage, url, name) as stream:
             while pos < size:
                 n = stream.readinto(into[pos : min(pos + CHUNK, size)])
                 if not n:
@@ -112,10 +148,5 @@ def read_file(storage: Storage, url: str, into: memoryview, *, expected: mf.File
         digest = hasher.hexdigest()
     finally:
         hasher.close()
-    if pos != size or extra:
-        reason = f"{pos} bytes were read, the manifest says {size}" if pos != size else f"it is longer than the {size} bytes the manifest says"
-        raise CheckpointVerificationError(f"The file {name!r} at {url!r} does not match its manifest: {reason}.", name, reason)
-    if not hmac.compare_digest(digest, expected.digest):
-        reason = f"its {expected.algorithm.upper()} checksum does not match the manifest"
-        raise CheckpointVerificationError(f"The file {name!r} at {url!r} does not match its manifest: {reason}.", name, reason)
+    check_read(name, url, expected, pos, extra, digest)
     return pos + extra
