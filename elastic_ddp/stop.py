@@ -344,51 +344,50 @@ def report_settings_error(message: str) -> bool:
     directory = os.environ.get(ENV_SETTINGS_ERROR_DIR, "")
     if not directory or os.environ.get(ENV_AGENT_PID, "") != str(os.getppid()):
         return False
-    path = Path(directory) / SETTINGS_ERROR_FILE
-    partial = path.with_name(f".{SETTINGS_ERROR_FILE}.{os.getpid()}")
-    try:
-        partial.write_text(message, encoding="utf-8")
-        os.replace(partial, path)  # whole or not at all: the agent may read it at any moment
-    except OSError:
-        return False
-    return True
+    return _write_whole(directory, SETTINGS_ERROR_FILE, message)
 
 
 def read_settings_error(directory: str) -> str | None:
     """The message a worker reported into ``directory`` (:func:`report_settings_error`); None: none."""
-    if not directory:
-        return None
-    try:
-        return (Path(directory) / SETTINGS_ERROR_FILE).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
+    return _read(directory, SETTINGS_ERROR_FILE)
 
 
 def report_members_gone(directory: str, why: str) -> None:
     """Agent side: the workers are about to be stopped because ``why`` (nodes of their round are
     gone); written whole before the signal (see :class:`StopSignal`). Best effort."""
-    if not directory:
-        return
-    path = Path(directory) / MEMBERS_GONE_FILE
-    partial = path.with_name(f".{MEMBERS_GONE_FILE}.{os.getpid()}")
-    try:
-        partial.write_text(why, encoding="utf-8")
-        os.replace(partial, path)
-    except OSError:
-        pass
+    if directory:
+        _write_whole(directory, MEMBERS_GONE_FILE, why)
 
 
 def members_gone(directory: str) -> str | None:
     """Worker side: why the agent stops the workers, when nodes of their round are gone; else None."""
-    if not directory:
-        return None
-    try:
-        return (Path(directory) / MEMBERS_GONE_FILE).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
+    return _read(directory, MEMBERS_GONE_FILE)
 
 
 def clear_members_gone(directory: str) -> None:
     """Agent side, before a new round: its workers start in a group of live nodes."""
     if directory:
         Path(directory, MEMBERS_GONE_FILE).unlink(missing_ok=True)
+
+
+def _write_whole(directory: str, name: str, text: str) -> bool:
+    """Write ``text`` to ``directory/name`` whole or not at all (the other side may read it at any
+    moment); False if it could not be written."""
+    path = Path(directory) / name
+    partial = path.with_name(f".{name}.{os.getpid()}")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    except OSError:
+        return False
+    return True
+
+
+def _read(directory: str, name: str) -> str | None:
+    """The text of ``directory/name``; None when there is none (or no directory)."""
+    if not directory:
+        return None
+    try:
+        return (Path(directory) / name).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
