@@ -29,7 +29,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -146,18 +145,19 @@ class SlurmCluster:
                 process.kill()
         for process in self._daemons:
             process.wait()
-        # Nothing can start new job processes now; freeze, then kill, whatever carries our SLURM_CONF.
-        for _ in range(20):
+        # Nothing can start new job processes now; freeze, then kill, whatever carries our SLURM_CONF
+        # until none is left.
+        def none_left() -> bool:
             pids = self.processes()
-            if not pids:
-                break
             for sig in (signal.SIGSTOP, signal.SIGKILL):
                 for pid in pids:
                     try:
                         os.kill(pid, sig)
                     except ProcessLookupError:
                         pass
-            time.sleep(0.1)
+            return not pids
+
+        wait_for(none_left, 10, what="every process of the test cluster to be gone")
         if self._munged is not None and self._munged.poll() is None:
             self._munged.kill()
             self._munged.wait()
