@@ -20,6 +20,10 @@ the recovery is cut into its phases by the survivor's own log lines, stamped as 
 (:data:`PHASES`): detection (the agent asks for a new round), round formation, worker start
 (interpreter, imports, process group), resume (the tiers surveyed and the state restored) and the
 first step.
+
+Then (``ours`` only) a third node joins the survivor: seconds from its start to the first step at
+world size 2, the all-rank stall (the last step at world size 1 to the first at 2) and the steps
+the join lost. Each node of ``ours`` has a memory directory of its own, as machines would.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.common import (
@@ -53,6 +58,8 @@ PHASES = (
 # The worker's own account of its start (elastic_ddp.distributed.init_distributed).
 WORKER_READY = re.compile(r"ready ([\d.]+) s after its process started \(process group ([\d.]+) s\)")
 MAX_STEPS = 1_000_000  # killed long before
+# Steps the survivor trains alone before a new node joins it.
+JOIN_AFTER_STEPS = 10
 
 
 def _agent(backend: str, endpoint: str, run_id: str, script: Path, args: list[str]) -> list[str]:
@@ -97,9 +104,13 @@ def phases(lines: list[tuple[float, str]], killed_at: float) -> dict[str, float]
     return durations
 
 
-def kill_and_recover(cmd: list[str], log_dir: Path, warm: int, store_port: int | None = None) -> dict[str, float]:
+def kill_and_recover(
+    cmd: list[str], log_dir: Path, warm: int, store_port: int | None = None, join: bool = False,
+    machine: Callable[[int], list[str]] = lambda node: [],
+) -> dict[str, float]:
+    """``machine(i)``: the script's settings of node ``i`` only (its own memory directory: a machine of its own)."""
     env = child_env()
-    nodes = [TimedProcess(cmd, env, log_dir / "node0.log")]
+    nodes = [TimedProcess([*cmd, *machine(0)], env, log_dir / "node0.log")]
     try:
         if store_port is not None:
             deadline = time.monotonic() + 60
@@ -107,7 +118,7 @@ def kill_and_recover(cmd: list[str], log_dir: Path, warm: int, store_port: int |
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"The first agent did not open the c10d store port {store_port}.")
                 time.sleep(0.1)
-        nodes.append(TimedProcess(cmd, env, log_dir / "node1.log"))
+        nodes.append(TimedProcess([*cmd, *machine(1)], env, log_dir / "node1.log"))
         survivor, victim = nodes
 
         def warmed(line: str):
@@ -125,12 +136,42 @@ def kill_and_recover(cmd: list[str], log_dir: Path, warm: int, store_port: int |
         before = [s for n in nodes for s, t in step_stamps(n.lines()).items() if t <= killed_at]
         stamp, first = survivor.wait_for(lambda l: _step_at_world(l, 1), timeout=240, after=killed_at,
                                          what="the survivor's first step at world size 1")
-        return {"recovery_s": stamp - killed_at, "steps_lost": max(before) - (first - 1),
-                "last_step_before_kill": max(before), "first_step_after": first,
-                **phases(survivor.lines(), killed_at)}
+        measured = {"recovery_s": stamp - killed_at, "steps_lost": max(before) - (first - 1),
+                    "last_step_before_kill": max(before), "first_step_after": first,
+                    **phases(survivor.lines(), killed_at)}
+        if join:
+            measured.update(join_and_resume([*cmd, *machine(2)], env, log_dir, survivor, nodes, first))
+        return measured
     finally:
         for node in nodes:
             node.cleanup()
+
+
+def join_and_resume(cmd: list[str], env: dict[str, str], log_dir: Path, survivor: TimedProcess,
+                    nodes: list[TimedProcess], first: int) -> dict[str, float]:
+    """A new node joins the survivor: seconds from its start to the first step at world size 2, the
+    all-rank stall (the last step at world size 1 to the first at 2), the steps the join lost (0 when
+    the stop's state is what the new round resumes from) and whether that state came from memory."""
+    survivor.wait_for(lambda l: (s := _step_at_world(l, 1)) is not None and s >= first + JOIN_AFTER_STEPS or None,
+                      timeout=240, what=f"step {first + JOIN_AFTER_STEPS} at world size 1")
+    joined_at = time.monotonic()
+    newcomer = TimedProcess(cmd, env, log_dir / "node2.log")
+    nodes.append(newcomer)
+    deadline = joined_at + 240
+    while True:  # rank 0 prints the steps, and the newcomer may be rank 0 of the new round
+        lines = sorted(line for node in (survivor, newcomer) for line in node.lines())
+        pair = next(((t, s) for t, l in lines if t > joined_at and (s := _step_at_world(l, 2)) is not None), None)
+        if pair is not None:
+            break
+        if time.monotonic() > deadline or not survivor.running:
+            raise RuntimeError(f"No step at world size 2 after the join.\n{survivor.output()[-3000:]}")
+        time.sleep(0.1)
+    stamp, resumed = pair
+    alone = {s: t for t, l in lines if (s := _step_at_world(l, 1)) is not None and t < stamp}
+    last_alone = max(alone)
+    return {"join_s": stamp - joined_at, "join_stall_s": stamp - alone[last_alone],
+            "join_steps_lost": last_alone - (resumed - 1),
+            "join_from_memory": 1.0 if any(t > joined_at and "Restored from node" in l for t, l in lines) else 0.0}
 
 
 def run(ctx: Context) -> Result:
@@ -155,7 +196,9 @@ def run(ctx: Context) -> Result:
                 run_id = f"recovery-{uuid.uuid4().hex[:8]}"
                 args = [*recipe_flags(TINY, root, MAX_STEPS, 1, CKPT_EVERY), "--checkpoint.resume=auto",
                         f"--run.name={run_id}"]  # fmt: skip
-                return kill_and_recover(_agent(backend, etcd.endpoint, run_id, RECIPE, args), root, warm)
+                return kill_and_recover(_agent(backend, etcd.endpoint, run_id, RECIPE, args), root, warm,
+                                        join=backend == "etcd",
+                                        machine=lambda node: [f"--checkpoint.memory_dir={root}/shm-node{node}"])
 
             return once
 
@@ -174,6 +217,10 @@ def run(ctx: Context) -> Result:
         row("ours: kill to first step on the survivor", samples["ours"]["recovery_s"], "s", Target("<=", 2.5)),
         *(row(f"ours: {name}", samples["ours"][name], "s") for name in samples["ours"] if name.startswith("phase: ")),
         row("ours: steps lost", samples["ours"]["steps_lost"], "steps"),
+        row("ours: a node joins: its start to the first step at the new size", samples["ours"]["join_s"], "s"),
+        row("ours: a node joins: all-rank stall", samples["ours"]["join_stall_s"], "s", Target("<=", 2.5)),
+        row("ours: a node joins: steps lost", samples["ours"]["join_steps_lost"], "steps", Target("<=", 0)),
+        row("ours: a node joins: resumed from node memory", samples["ours"]["join_from_memory"], "1 = yes"),
     ]
     if with_stock:
         speedup = ratios(samples["stock"]["recovery_s"], samples["ours"]["recovery_s"])

@@ -38,7 +38,8 @@ order is not the script's):
    the run agrees with all ranks on stopping, keeps the state in node memory at the interval its
    stall budget allows (``checkpoint.memory_overhead``), saves at ``checkpoint.every_steps`` (in
    the background), logs metrics, and ends with a blocking save at ``train.max_steps``,
-   ``train.exit_at_step`` or a stop request.
+   ``train.exit_at_step`` or a stop request -- into node memory only when the stop just admits a
+   joining node (every node of the round stays and holds it there).
 4. Teardown: waits for a save in flight, closes the metrics and the process group, and exits 0,
    or with :data:`~elastic_ddp.stop.EXIT_STOPPED` after a stop (a survivor of a membership change
    first waits for its agent to restart it). A failure that must not pass silently -- a final save
@@ -78,7 +79,7 @@ from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo
 from elastic_ddp.failures import FailureReport, RecurringFailureError
 from elastic_ddp.logs import configure_logging
 from elastic_ddp.memory.policy import choose_resume
-from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier, MemoryTierError
+from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier, MemoryTierError, Survey
 from elastic_ddp.metrics import (
     ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_MEMBERSHIP, ENDED_STOPPED, Metrics, create_metrics,
 )  # fmt: skip
@@ -405,18 +406,28 @@ class Run:
 
     def _resume(self) -> None:
         """Resume from the newest state anywhere: a node's memory tier or the durable checkpoints."""
-        checkpoints, cfg = self._checkpoints, self.cfg.checkpoint
-        automatic = cfg.resume.strip() == "auto"
+        memory, automatic = self._memory, self.cfg.checkpoint.resume.strip() == "auto"
         survey = None
-        if self._memory is not None:
+        if memory is not None:
             try:
                 # Only an automatic resume may take node memory; any other start forgets it.
-                survey = self._memory.survey(self._state, fresh=not automatic)
+                survey = memory.survey(self._state, fresh=not automatic)
             except MemoryTierError as exc:
                 raise RunError(str(exc)) from None
+        if memory is None or not memory.disabled:
+            self._resume_from(survey, memory)
+            return
+        # Off for this attempt's saves; what the nodes hold is still read.
+        self._memory_off, self._memory = memory.disabled, None
+        try:
+            self._resume_from(survey, memory)
+        finally:
+            memory.close()
+
+    def _resume_from(self, survey: Survey | None, memory: MemoryTier | None) -> None:
+        checkpoints, cfg = self._checkpoints, self.cfg.checkpoint
+        automatic = cfg.resume.strip() == "auto"
         last_step = survey.last_step() if survey is not None else None
-        if self._memory is not None and self._memory.disabled:
-            self._memory_off, self._memory = self._memory.disabled, None
         if cfg.resume.strip() == "never":
             self._start_afresh()
             return
@@ -433,7 +444,7 @@ class Run:
             log.info("[%d/-] Resume: %s.", self.rank, choice.why)
             if choice.tier == "memory":
                 try:
-                    restored = self._memory.restore(survey, choice.node, choice.step, self._state)
+                    restored = memory.restore(survey, choice.node, choice.step, self._state)
                 except MemoryTierError as exc:
                     raise RunError(str(exc)) from None
                 if restored:
@@ -632,13 +643,19 @@ class Run:
                     if memory.failed and self._memory_off is None:
                         self._memory_off = f"The memory tier stopped on rank {self.rank}: {memory.failed}"
                         self._metrics.event(self._memory_off)
-                if stop or exiting or (self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0):
+                # A stop only to admit a joining node: every node of this round stays, with the
+                # state in its memory (see elastic_ddp.stop), so storage is not needed.
+                in_memory = stop and not exiting and not agreement.durable and self._commit_to_memory()
+                if not in_memory and (stop or exiting or (self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0)):
                     self._save(blocking=stop or exiting)
                 if loss is not None:
                     self._log_step(step, loss, timing)
                 if stop:
                     self.ended = ENDED_STOPPED if self._stop_signal.requested else ENDED_MEMBERSHIP
-                    self._metrics.event(f"Stopped at step {self.step} for a stop request; checkpoint committed")
+                    self._metrics.event(
+                        f"Stopped at step {self.step} to admit a joining node; its state committed to node memory"
+                        if in_memory else f"Stopped at step {self.step} for a stop request; checkpoint committed"
+                    )  # fmt: skip
                     return
                 if exiting:
                     self.ended = ENDED_FINISHED if self.step == train.max_steps else ENDED_EXIT_AT_STEP
@@ -648,6 +665,18 @@ class Run:
         finally:
             agreement.close()
             ledger.close()
+
+    def _commit_to_memory(self) -> bool:
+        """Collective: the current step committed to every node's memory tier; False (commit it to
+        the durable tier instead) when the tier is off or the commit failed on any rank."""
+        memory = self._memory
+        if memory is None or not memory.enabled or memory.failed:
+            return False
+        if memory.commit(self.step, self._state):
+            return True
+        log.warning("[%d/%d] The stop's state could not be committed to node memory on every rank; committing it "
+                    "to the durable tier instead.", self.rank, self.step)  # fmt: skip
+        return False
 
     def _seed_step(self, step: int) -> None:
         # Every random generator of this process starts each step from a seed derived from the run's

@@ -18,6 +18,13 @@ When the agent stops its workers because nodes of their round are gone (a node d
 boundary can be agreed with the dead: it says so first (:func:`report_members_gone`), and a rank
 that does not leave within :data:`MEMBERS_GONE_GRACE_S` of the signal -- one waiting in a collective
 on a dead peer -- leaves then, instead of after ``checkpoint.grace_s`` or torchrun's SIGKILL.
+
+When the agent stops its workers only to admit a joining node, it says that first too
+(:func:`report_nodes_joining`). Every node of the old round stays, and each holds the agreed step's
+state in its memory tier, so that is all the stop needs to commit. When every signalled rank's stop
+is of that kind, the agreement says no durable checkpoint is needed (:attr:`StopAgreement.durable`).
+A stop that any rank received from outside, a preemption say, is committed to the durable tier as
+before.
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ import torch.distributed as dist
 
 __all__ = [
     "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
-    "StopAgreement", "StopSignal", "clear_members_gone", "exit_when_orphaned", "flush_and_exit", "members_gone",
-    "read_settings_error", "report_members_gone", "report_settings_error", "wait_for_restart",
+    "StopAgreement", "StopSignal", "clear_restart_marks", "exit_when_orphaned", "flush_and_exit", "members_gone",
+    "nodes_joining", "read_settings_error", "report_members_gone", "report_nodes_joining", "report_settings_error",
+    "wait_for_restart",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -92,6 +100,9 @@ class StopSignal:
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), grace_s: float | None = None) -> None:
         self.received: int | None = None
         self.received_at: float | None = None
+        # Why the agent stopped the workers when the signal came only to admit a joining node
+        # (report_nodes_joining); None for any other signal, a preemption's included.
+        self.for_join: str | None = None
         self.repeats = 0
         self._signals = frozenset(signals)
         self._grace_s = grace_s
@@ -154,6 +165,7 @@ class StopSignal:
             return
         self.received = signum
         self.received_at = time.monotonic()
+        self.for_join = nodes_joining(os.environ.get(ENV_SETTINGS_ERROR_DIR, ""))
         self._woken.set()
         self._start_grace(signum)  # the watcher thread usually has, the moment the signal arrived
 
@@ -242,6 +254,10 @@ class StopAgreement:
     gradient all-reduces or the checkpoint's collectives. Without a process group (one rank) the
     flag is read directly.
 
+    With the stop, whether it needs the durable tier (:attr:`durable`): True unless every rank that
+    was signalled by then was stopped by its agent only to admit a joining node
+    (:attr:`StopSignal.for_join`); a rank not signalled yet has no say.
+
     ``values`` more numbers ride on the same all-reduce (the maximum over ranks is agreed): each
     :meth:`after_step` passes this rank's, and :attr:`agreed` then holds the maxima of the ones
     passed one step earlier -- the same tuple on every rank at the same step, for decisions all
@@ -252,9 +268,11 @@ class StopAgreement:
         self._signal = stop_signal
         self._group = group
         self._values = values
-        self._buffer = torch.zeros(1 + values, dtype=torch.float64)
+        # [stop, stop from outside (the durable tier needed), values...]
+        self._buffer = torch.zeros(2 + values, dtype=torch.float64)
         self._pending: Any = None
         self.agreed: tuple[float, ...] | None = None
+        self.durable = True
 
     def after_step(self, values: tuple[float, ...] = ()) -> bool:
         """True when every rank must stop after the step just completed; ``values``: this rank's numbers."""
@@ -262,20 +280,26 @@ class StopAgreement:
             raise ValueError(f"StopAgreement was made for {self._values} value(s) per step, got {len(values)}.")
         if self._group is None:
             self.agreed = tuple(float(v) for v in values) if values else None
+            self.durable = self._from_outside()
             return self._signal.requested
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
             result = self._buffer.tolist()
-            self.agreed = tuple(result[1:]) if self._values else None
+            self.agreed = tuple(result[2:]) if self._values else None
             if result[0] > 0:
+                self.durable = result[1] > 0
                 return True
         self._buffer[0] = 1.0 if self._signal.requested else 0.0
-        for i, value in enumerate(values, start=1):
+        self._buffer[1] = 1.0 if self._from_outside() else 0.0
+        for i, value in enumerate(values, start=2):
             self._buffer[i] = float(value)
         # MAX: the flag is set if any rank's is, and each value is the largest any rank reported.
         self._pending = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return False
+
+    def _from_outside(self) -> bool:
+        return self._signal.requested and self._signal.for_join is None
 
     def close(self) -> None:
         """Wait for an all-reduce still in flight (every rank started it, so it completes)."""
@@ -326,8 +350,10 @@ def exit_when_orphaned(poll_s: float = 1.0) -> threading.Thread:
 ENV_SETTINGS_ERROR_DIR = "ELASTIC_DDP_SETTINGS_ERROR_DIR"
 ENV_AGENT_PID = "ELASTIC_DDP_AGENT_PID"
 SETTINGS_ERROR_FILE = "settings-error.txt"
-# In the same directory: why the agent is about to stop its workers when nodes of their round are gone.
+# In the same directory: why the agent is about to stop its workers when nodes of their round are gone,
+# or, when all of them stay, that it stops them only to admit a joining node.
 MEMBERS_GONE_FILE = "members-gone.txt"
+NODES_JOINING_FILE = "nodes-joining.txt"
 # How long a rank signalled while nodes of its round are gone may take to leave by itself (a rank
 # waiting for its restart, or between steps, leaves at once; one in a collective with the dead never).
 MEMBERS_GONE_GRACE_S = 1.0
@@ -364,10 +390,24 @@ def members_gone(directory: str) -> str | None:
     return _read(directory, MEMBERS_GONE_FILE)
 
 
-def clear_members_gone(directory: str) -> None:
-    """Agent side, before a new round: its workers start in a group of live nodes."""
+def report_nodes_joining(directory: str, why: str) -> None:
+    """Agent side: the workers are about to be stopped only because ``why`` (a node is waiting to
+    join; every member of their round stays); written whole before the signal. Best effort: without
+    it the stop is committed to the durable tier."""
     if directory:
-        Path(directory, MEMBERS_GONE_FILE).unlink(missing_ok=True)
+        _write_whole(directory, NODES_JOINING_FILE, why)
+
+
+def nodes_joining(directory: str) -> str | None:
+    """Worker side: why the agent stops the workers, when only to admit a joining node; else None."""
+    return _read(directory, NODES_JOINING_FILE)
+
+
+def clear_restart_marks(directory: str) -> None:
+    """Agent side, before a new round: its workers start in a group of live nodes, with nothing pending."""
+    if directory:
+        for name in (MEMBERS_GONE_FILE, NODES_JOINING_FILE):
+            Path(directory, name).unlink(missing_ok=True)
 
 
 def _write_whole(directory: str, name: str, text: str) -> bool:

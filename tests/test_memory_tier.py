@@ -355,6 +355,26 @@ def test_a_node_state_restores_bitwise_into_fresh_objects(tmp_path):
     reader.close()
 
 
+def test_a_stops_commit_holds_its_step_whether_the_tier_saved_it_already_or_not(tmp_path, monkeypatch):
+    saved, _ = make_state(1)
+    writer = tier(tmp_path, every=5)
+    writer.survey(saved, fresh=False)
+    writer.after_step(1, saved, None)  # due: saved, its write in flight
+    assert writer.commit(1, saved)
+    saves = writer.saves
+    assert writer.commit(1, saved) and writer.saves == saves  # already there: not saved twice
+    writer.after_step(2, saved, None)  # not due
+    assert writer.commit(2, saved) and writer.saves == saves + 1
+    assert sorted(writer.store.own_parts(0, 1)) == [1, 2]
+    # A write that fails: the commit says so (the stop then goes to storage).
+    monkeypatch.setattr(writer.store, "write", lambda *a, **k: (_ for _ in ()).throw(OSError("tmpfs full")))
+    assert not writer.commit(3, saved)
+    writer.close()
+    target, _ = make_state(2)
+    assert restore_newest(tier(tmp_path), target)
+    assert all(torch.equal(a, b) for a, b in zip(flat(target).values(), flat(saved).values()))
+
+
 def test_a_restore_in_slices_smaller_than_its_parts_and_tensors_is_still_bitwise(tmp_path, monkeypatch):
     # A large state is sent in slices that cut through parts and tensors alike.
     monkeypatch.setattr(tier_module, "BROADCAST_BYTES", 64)
@@ -473,7 +493,11 @@ def test_two_nodes_sharing_one_directory_turn_the_tier_off_instead_of_mixing_the
               NodeOffer(1, 1, 0, 42, (-1, 9), (0, 0), (-1, -1), 9, 10, 10**9))
     survey = t._check(Survey(offers), "")
     assert not t.enabled and "give each agent its own --checkpoint.memory_dir" in t.disabled
-    assert survey.candidates() == []
+    # No saves this attempt; the complete, checksummed state already there is still offered to read.
+    assert [(c.node, c.step) for c in survey.candidates()] == [(0, 9), (1, 9)]
+    t.after_step(10, make_state(1)[0], None)
+    assert t.saves == 0
+    t.close()
 
 
 def test_an_ended_runs_directory_is_removed_and_a_live_ones_is_kept(tmp_path):

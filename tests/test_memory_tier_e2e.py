@@ -171,6 +171,35 @@ def test_losing_the_other_node_resumes_alone_from_memory_with_the_same_samples(r
         job.cleanup()
 
 
+def test_a_node_joining_is_taken_in_from_node_memory_without_a_durable_save_and_with_the_same_samples(
+    reference, etcd_endpoint, tmp_path
+):
+    ref_history, _ = reference
+    job = start(etcd_endpoint, tmp_path, "join", "first", "1:3", ["a", "b"])
+    try:
+        job.wait_for_step(random.randint(15, 40), world_size=2)
+        mark, t0 = job.mark(), time.monotonic()
+        add_machine(job, tmp_path, "c")  # a new machine: its memory is empty
+        recovery_s = job.wait_for_training_since(mark, t0, world_size=3)
+        after = job.output_since(mark)
+        before = max(s for s, w in job.progress() if w == 2)
+        output = finish(job, job.nodes)
+    finally:
+        job.cleanup()
+    assert f"Stopped at step {before} to admit a joining node; its state committed to node memory" in output, after[-4000:]
+    records = [r for r in resume_records(job) if r["step"] == before]
+    assert [(r["tier"], r["steps_redone"]) for r in records] == [("memory", 0)], resume_records(job)
+    # No durable checkpoint of the stop's step: only the periodic ones and the last.
+    durable = [c.step for c in list_checkpoints(Storage(str(job.run_dir / "checkpoints")))]
+    assert before not in durable and set(durable) <= set(range(DURABLE_EVERY, MAX_STEPS + 1, DURABLE_EVERY)), durable
+    history = read_ledger(job.run_dir)
+    assert list(history) == list(range(1, MAX_STEPS + 1))
+    assert {history[s].world_size for s in history if s > before} == {3}
+    assert {s: e.all_indices for s, e in history.items()} == {s: e.all_indices for s, e in ref_history.items()}
+    report("a node joins with the memory tier (2 -> 3)", "the stop commits to node memory; all resume from it",
+           round(recovery_s, 1), 0, checkpoints_verified=job.stop_and_verify_checkpoints())
+
+
 def test_losing_every_node_resumes_from_the_durable_tier(etcd_endpoint, tmp_path):
     job = start(etcd_endpoint, tmp_path, "lose-all", "first", "1:2", ["a", "b"])
     try:

@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, members_gone, report_settings_error
+from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, members_gone, nodes_joining, report_settings_error
 from elastic_ddp.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
 from elastic_ddp.rendezvous.client import EtcdClient, EtcdConnectionError, Range
@@ -159,6 +159,26 @@ def test_while_a_round_trains_a_member_whose_agent_is_gone_is_removed_at_once_an
     assert members_gone(a.settings_error_dir) == members_gone(c.settings_error_dir) == f"1 node(s) left round {joined}"
     assert ranks(join_all(a, c)) == [(0, 2), (1, 2)]
     assert members_gone(a.settings_error_dir) is None  # the next workers start in a group of live nodes
+
+
+def test_a_node_waiting_to_join_marks_the_members_restart_as_one_for_a_join_and_a_departure_does_not(run, etcd_client):
+    a, b = run(1, 4, "127.0.0.1"), run(1, 4, "127.0.0.1")
+    join_all(a, b)
+    joined = record(etcd_client, run.keys).round
+    newcomer = Joining(run(1, 4, "127.0.0.1"))
+    wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 30, what="the new round")
+    # Both members stay: each agent tells its workers the stop only admits a node.
+    assert nodes_joining(a.settings_error_dir) == nodes_joining(b.settings_error_dir) == (
+        f"round {joined + 1} was opened after round {joined}"
+    )
+    assert members_gone(a.settings_error_dir) is None
+    infos = join_all(a, b)
+    assert sorted(ranks([*infos, newcomer.result()])) == [(0, 3), (1, 3), (2, 3)]
+    assert nodes_joining(a.settings_error_dir) is None  # cleared for the next workers
+    # A member that dies: a departure, never a join.
+    _killed(newcomer.handler)
+    wait_for(lambda: a.num_nodes_waiting() >= 1, 10, what="the departure")
+    assert members_gone(a.settings_error_dir) is not None and nodes_joining(a.settings_error_dir) is None
 
 
 def test_each_member_probes_one_other_in_a_ring_and_a_round_of_one_probes_none(run, monkeypatch):

@@ -27,10 +27,12 @@ from elastic_ddp.stop import (
     EXIT_STOP_TIMEOUT,
     StopAgreement,
     StopSignal,
-    clear_members_gone,
+    clear_restart_marks,
     members_gone,
+    nodes_joining,
     read_settings_error,
     report_members_gone,
+    report_nodes_joining,
     report_settings_error,
     wait_for_restart,
 )
@@ -142,13 +144,31 @@ def test_a_rank_blocked_in_cpp_when_signalled_leaves_after_its_grace_short_when_
     assert says in result.stderr
 
 
-def test_members_gone_is_read_until_the_agent_clears_it_for_the_next_workers(tmp_path):
+def test_the_agents_marks_are_read_until_it_clears_them_for_the_next_workers(tmp_path):
     assert members_gone(str(tmp_path)) is None and members_gone("") is None
+    assert nodes_joining(str(tmp_path)) is None and nodes_joining("") is None
     report_members_gone(str(tmp_path), "2 node(s) left round 3")
+    report_nodes_joining(str(tmp_path), "round 4 was opened after round 3")
     assert members_gone(str(tmp_path)) == "2 node(s) left round 3"
-    clear_members_gone(str(tmp_path))
-    assert members_gone(str(tmp_path)) is None
-    clear_members_gone(str(tmp_path))  # idempotent
+    assert nodes_joining(str(tmp_path)) == "round 4 was opened after round 3"
+    clear_restart_marks(str(tmp_path))
+    assert members_gone(str(tmp_path)) is None and nodes_joining(str(tmp_path)) is None
+    clear_restart_marks(str(tmp_path))  # idempotent
+
+
+def test_a_signal_is_for_a_join_only_when_the_agent_marked_it_so_before_signalling(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_SETTINGS_ERROR_DIR, str(tmp_path))
+    for marked in (False, True):
+        if marked:
+            report_nodes_joining(str(tmp_path), "round 2 was opened after round 1")
+        stop = StopSignal()
+        stop.steps_started()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested
+            assert stop.for_join == ("round 2 was opened after round 1" if marked else None)
+        finally:
+            stop.restore()
 
 
 def test_before_the_training_loop_a_signal_ends_the_process_at_once_with_the_stop_status():
@@ -222,7 +242,7 @@ def _accepts(port: int) -> bool:
 
 
 def test_without_a_group_the_agreement_reads_the_flag_directly():
-    flag = types.SimpleNamespace(requested=False)
+    flag = types.SimpleNamespace(requested=False, for_join=None)
     agreement = StopAgreement(flag, group=None)
     assert agreement.after_step() is False
     flag.requested = True
@@ -241,7 +261,7 @@ dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, 
 group = dist.new_group(backend="gloo")
 results = []
 for flag_rank, k in scenarios:
-    flag = types.SimpleNamespace(requested=False)
+    flag = types.SimpleNamespace(requested=False, for_join=None)
     agreement = StopAgreement(flag, group)
     agreed = []
     for step in range(1, k + 2):
@@ -282,8 +302,70 @@ def test_a_flag_set_on_one_rank_before_step_k_is_agreed_by_both_ranks_after_step
         assert json.loads(out) == [[False] * k + [True] for _, k in scenarios]
 
 
+def test_without_a_group_a_stop_needs_the_durable_tier_unless_it_is_for_a_join():
+    flag = types.SimpleNamespace(requested=True, for_join="round 2 was opened after round 1")
+    agreement = StopAgreement(flag, group=None)
+    assert agreement.after_step() is True and agreement.durable is False
+    flag.for_join = None  # a preemption
+    assert agreement.after_step() is True and agreement.durable is True
+
+
+_DURABLE_WORKER = """
+import json, sys, types
+import torch.distributed as dist
+from elastic_ddp.stop import StopAgreement
+
+rank, store_path, scenarios = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3)
+group = dist.new_group(backend="gloo")
+results = []
+for signals in scenarios:  # {rank: "join" | "outside"}, all arriving before step 2's work
+    flag = types.SimpleNamespace(requested=False, for_join=None)
+    agreement = StopAgreement(flag, group)
+    for step in range(1, 4):
+        kind = signals.get(str(rank))
+        if kind and step == 2:
+            flag.requested, flag.for_join = True, ("round 2 was opened after round 1" if kind == "join" else None)
+        if agreement.after_step():
+            results.append([step, agreement.durable])
+            break
+    agreement.close()
+print(json.dumps(results), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_three_ranks_agree_a_stop_needs_no_durable_tier_only_when_every_signalled_rank_was_stopped_for_a_join(tmp_path):
+    scenarios = [
+        {"0": "join"},  # one node's agent saw the join first; the others' signals are still on their way
+        {"0": "join", "2": "join"},
+        {"0": "join", "1": "outside"},  # a preemption at the same step: storage after all
+        {"2": "outside"},
+    ]
+    script = tmp_path / "durable.py"
+    script.write_text(_DURABLE_WORKER)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    store = str(tmp_path / "store")
+    workers = [
+        subprocess.Popen([sys.executable, str(script), str(rank), store, json.dumps(scenarios)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for rank in range(3)
+    ]  # fmt: skip
+    try:
+        outputs = [worker.communicate(timeout=120) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    for worker, (out, err) in zip(workers, outputs):
+        assert worker.returncode == 0, err
+        assert json.loads(out) == [[3, False], [3, False], [3, True], [3, True]]
+
+
 def test_without_a_group_the_values_are_agreed_as_passed():
-    agreement = StopAgreement(types.SimpleNamespace(requested=False), group=None, values=2)
+    agreement = StopAgreement(types.SimpleNamespace(requested=False, for_join=None), group=None, values=2)
     assert agreement.agreed is None
     assert agreement.after_step((0.5, 2.0)) is False
     assert agreement.agreed == (0.5, 2.0)
@@ -299,7 +381,7 @@ from elastic_ddp.stop import StopAgreement
 rank, store_path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
 group = dist.new_group(backend="gloo")
-agreement = StopAgreement(types.SimpleNamespace(requested=False), group, values=2)
+agreement = StopAgreement(types.SimpleNamespace(requested=False, for_join=None), group, values=2)
 seen = []
 for step in range(1, 5):
     # rank 0 reports a large first value, rank 1 a large second one; both change per step

@@ -351,12 +351,14 @@ class MemoryTier:
         return survey
 
     def _turn_off(self, survey: Survey) -> Survey:
-        """Every rank sees the same survey, so every rank turns the tier off alike (:attr:`disabled` says why)."""
+        """Every rank sees the same survey, so every rank turns the tier off alike (:attr:`disabled` says
+        why): no saves in this attempt. The states the nodes hold are still offered for the resume --
+        each is complete and checksummed, and reading one mixes nothing -- so a joining node without
+        room does not cost the steps a join's stop committed to the others' memory."""
         if self.rank == 0:
             log.warning("[%d/-] %s", self.rank, self.disabled)
         self.enabled = False
-        self.store.close()
-        return Survey(tuple(replace(o, steps=(-1, -1), own=(-1, -1)) for o in survey.offers))
+        return survey
 
     def _all_gather(self, row: list[int]) -> list[list[int]]:
         mine = torch.tensor(row, dtype=torch.int64)
@@ -577,6 +579,24 @@ class MemoryTier:
             # Here, not in the save: its time (~0.1 ms) falls in the next step, which it then measures.
             touched = math.ceil(_median(self._recent_writes) / max(_median(self._recent_steps), 1e-9))
             self.background_s = background_cost(self._phases, touched)
+
+    def commit(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Collective: the state after ``step`` complete in every node's memory now, for a stop that
+        needs no durable checkpoint; True on every rank when every rank's part of it is committed.
+
+        The save :meth:`after_step` started for ``step`` is waited for; without one, this saves it.
+        False (nothing is lost: the caller then commits the step to the durable tier) when the tier
+        is off, stopped, or any rank's part did not commit.
+        """
+        if not self.enabled or self.failed:
+            return False
+        if self._previous is None or self._previous[1] != step:
+            self.save(step, state)
+        self._wait_writer()
+        # What the node's memory holds, not what was asked: a save may be skipped (the ranks'
+        # values no longer split as planned) or fail.
+        ok = self._local_failure is None and step in self.store.own_parts(self.rank, self.world_size)
+        return self._all_ok(ok)
 
     @property
     def cost_s(self) -> float:
@@ -808,6 +828,7 @@ class MemoryTier:
     def close(self) -> None:
         """Wait for the save in flight and release the directory (its states stay for a restart)."""
         if not self.enabled:
+            self.store.close()  # a tier turned off at the survey holds the directory until here
             return
         self._wait_writer()
         if self._pool is not None:

@@ -69,6 +69,10 @@ full, closing at shutdown):
    stop their workers, the agents leave a mark for them (:func:`elastic_ddp.stop.report_members_gone`):
    a rank waiting on a peer that is gone cannot reach a step boundary, so it leaves within a second
    instead of waiting out its stop grace (or torchrun's 30 s before SIGKILL).
+9. **A join costs no durable checkpoint.** When a new round opens while every member of this
+   node's round stays, the agent marks that before it stops its workers
+   (:func:`elastic_ddp.stop.report_nodes_joining`): their stop only admits a node, so the
+   agreed step goes to node memory, which every old member keeps, instead of storage.
 """
 
 from __future__ import annotations
@@ -99,7 +103,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic_ddp.stop import (
-    ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, clear_members_gone, read_settings_error, report_members_gone,
+    ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, clear_restart_marks, read_settings_error, report_members_gone,
+    report_nodes_joining,
 )  # fmt: skip
 from elastic_ddp.rendezvous.client import (
     Backoff, Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError,
@@ -323,7 +328,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                  self._settings.run_id)  # fmt: skip
         self._view.stop_following()
         self._stop_successor_watch()
-        clear_members_gone(self._settings_error_dir)  # the next workers start in a group of live nodes
+        clear_restart_marks(self._settings_error_dir)  # the next workers start in a group of live nodes
         self._reported = None
         try:
             rank, world_size, round_ = self._join()
@@ -360,6 +365,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 return 1
             return 0
         if record is None or record.round > self._joined:
+            if record is not None and not self._view.gone():
+                # Every member stays: the workers stop only to take a node in (elastic_ddp.stop).
+                report_nodes_joining(self._settings_error_dir, f"round {record.round} was opened after round {self._joined}")
             self._report(("new round", None if record is None else record.round),
                          "A node is waiting to join the rendezvous '%s' (round %s opened after round %d); restarting "
                          "the workers to admit it.", self._settings.run_id,
