@@ -112,17 +112,9 @@ class Soak:
                          timeout, f"step {step} at world size {world}")  # fmt: skip
 
     def workers(self, node: TimedProcess) -> list[int]:
-        from tests.helpers.nodes import descendants
+        from tests.helpers.nodes import worker_pids
 
-        found = []
-        for pid in descendants(node.pid):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if str(RECIPE).encode() in cmdline and b"torch.distributed.run" not in cmdline:
-                found.append(pid)
-        return found
+        return worker_pids(node.pid)
 
     def cleanup(self) -> None:
         for node in self.nodes:

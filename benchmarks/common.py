@@ -150,6 +150,7 @@ class Context:
 def child_env(**extra: str) -> dict[str, str]:
     """The environment of every benchmarked process: the repo importable, one thread per rank."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("ELASTIC_DDP_PRESTART", None)  # the default: workers forked warm
     env.update(extra)
     return env
 

@@ -1,8 +1,25 @@
-"""Facts about processes from Linux ``/proc``: when a process started."""
+"""Facts about processes: when one started (Linux ``/proc``), and which is this worker's agent."""
 
 from __future__ import annotations
 
-__all__ = ["start_ticks"]
+import os
+
+__all__ = ["adopt_agent", "agent_pid", "start_ticks"]
+
+# Set in a worker forked from its node's template (elastic_ddp.prestart), whose parent is the template.
+_ADOPTED_AGENT: int | None = None
+
+
+def adopt_agent(pid: int) -> None:
+    """In a worker forked from the node's template: its torchrun agent is ``pid``, not its parent."""
+    global _ADOPTED_AGENT
+    _ADOPTED_AGENT = pid
+
+
+def agent_pid() -> int:
+    """The torchrun agent that started this worker: its parent, unless the worker was forked from the
+    node's template (:func:`adopt_agent`). In a process of the worker's own it is that process's parent."""
+    return _ADOPTED_AGENT if _ADOPTED_AGENT is not None else os.getppid()
 
 
 def start_ticks(pid: int | str = "self") -> int | None:

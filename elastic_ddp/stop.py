@@ -41,6 +41,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from elastic_ddp.processes import agent_pid
+
 __all__ = [
     "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
     "StopAgreement", "StopSignal", "clear_restart_marks", "exit_when_orphaned", "flush_and_exit", "members_gone",
@@ -368,7 +370,7 @@ def report_settings_error(message: str) -> bool:
     then ends the job on every node instead of restarting workers whose settings cannot change.
     """
     directory = os.environ.get(ENV_SETTINGS_ERROR_DIR, "")
-    if not directory or os.environ.get(ENV_AGENT_PID, "") != str(os.getppid()):
+    if not directory or os.environ.get(ENV_AGENT_PID, "") != str(agent_pid()):
         return False
     return _write_whole(directory, SETTINGS_ERROR_FILE, message)
 

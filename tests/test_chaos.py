@@ -167,7 +167,7 @@ def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_rec
     import os
     import signal
 
-    from tests.helpers.nodes import descendants
+    from tests.helpers.nodes import worker_pids
 
     timeout_s = 10
     j = job(flags=[ENDLESS, "--checkpoint.every_steps=5", f"--dist.timeout_s={timeout_s}"])
@@ -176,7 +176,7 @@ def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_rec
     j.wait_for_step(8, world_size=2)
     # Frozen only once a checkpoint is committed: a save in flight would freeze with the rank.
     j.wait_for_commit()
-    worker = descendants(frozen_node.pid)[0]
+    [worker] = worker_pids(frozen_node.pid)
     mark, t0 = j.mark(), time.monotonic()
     os.kill(worker, signal.SIGSTOP)  # a rank that stops making progress without dying
     j.wait_until(lambda: "Traceback" in j.output_since(mark), timeout_s + 60, "the hang to be detected")

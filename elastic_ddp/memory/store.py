@@ -52,7 +52,7 @@ from typing import Any
 import blake3
 import torch
 
-from elastic_ddp.processes import start_ticks
+from elastic_ddp.processes import agent_pid, start_ticks
 
 __all__ = [
     "FORMAT", "MemoryFormatError", "NodeMemory", "PartRecord", "StateOnNode", "read_part", "run_dir_name",
@@ -285,7 +285,7 @@ class NodeMemory:
             self._lock_fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # started by a torchrun agent: its parent
-            agent = _process_mark(os.getppid())
+            agent = _process_mark(agent_pid())
             if agent:
                 (self.path / AGENTS_DIR).mkdir(exist_ok=True)
                 (self.path / AGENTS_DIR / agent).touch()

@@ -73,6 +73,10 @@ full, closing at shutdown):
    node's round stays, the agent marks that before it stops its workers
    (:func:`elastic_ddp.stop.report_nodes_joining`): their stop only admits a node, so the
    agreed step goes to node memory, which every old member keeps, instead of storage.
+10. **Workers start warm.** Before its first join the node starts its workers' template
+    (:mod:`elastic_ddp.prestart`) and registers once that has imported torch and this library:
+    every worker of every round is then a fork of it, and a node joining a running job does not
+    stop the others' workers for the seconds of its own imports.
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elastic_ddp.prestart import ENV_SWITCH as ENV_PRESTART
+from elastic_ddp.prestart import Template, without_shim
 from elastic_ddp.stop import (
     ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, clear_restart_marks, read_settings_error, report_members_gone,
     report_nodes_joining,
@@ -145,6 +151,9 @@ _PROBE_LIMIT = 64
 _PROBE_TIMEOUT_S = 0.5
 # While a round trains, each member probes the next one this often (module docstring, 8.).
 _SUCCESSOR_PROBE_INTERVAL_S = 0.25
+# How long a node's first join waits for its workers' template to finish its imports (a few
+# seconds; longer only on a starved host, which then starts its workers as usual).
+TEMPLATE_READY_WAIT_S = 60.0
 
 
 class InvalidSettingsError(RendezvousClosedError):
@@ -282,7 +291,29 @@ class EtcdRendezvousHandler(RendezvousHandler):
         except OSError as exc:  # the job runs as before: a bad setting then costs every restart
             log.warning("No directory for workers to report invalid settings in (%s).", exc)
             self._settings_error_dir = ""
+        self._template: Template | None = None
         atexit.register(_leave_at_exit, weakref.ref(self))
+
+    def _start_template(self) -> bool:
+        """Before the first workers start (and again should it die): the node's template, from which
+        workers fork warm (:mod:`elastic_ddp.prestart`; ``ELASTIC_DDP_PRESTART=0`` turns it off).
+        True when it was started now."""
+        if not self._settings_error_dir or os.environ.get(ENV_PRESTART, "1") == "0":
+            return False
+        if self._template is not None:
+            if self._template.alive:
+                return False
+            # Killed (by hand, by the OOM killer): the next workers start warm again.
+            log.warning("The workers' template of node '%s' is gone; starting another.", self._node_text)
+            self._template.close()
+        try:
+            self._template = Template(self._settings_error_dir)
+        except OSError as exc:
+            log.warning("The node '%s' could not start its workers' template (%s); they start as usual.",
+                        self._node_text, exc)  # fmt: skip
+            return False
+        os.environ.update(self._template.environment())
+        return True
 
     # -- RendezvousHandler -------------------------------------------------------------------
 
@@ -324,6 +355,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         message = read_settings_error(self._settings_error_dir)
         if message is not None:
             raise self._close_for_settings(message)
+        if self._start_template() and self._joined is None:
+            # A node arriving at a running job restarts every worker when it registers: it
+            # registers once its own workers can start warm, not seconds later in its imports.
+            self._template.wait_ready(min(TEMPLATE_READY_WAIT_S, self._settings.join_timeout))
         log.info("The node '%s' attempts to join the next round of the rendezvous '%s'.", self._node_text,
                  self._settings.run_id)  # fmt: skip
         self._view.stop_following()
@@ -439,6 +474,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._stream.close()
         if self._liveness is not None:
             self._liveness.close()
+        if self._template is not None:
+            self._template.close()
+            self._template = None
+            without_shim(os.environ)
         if self._settings_error_dir and os.environ.get(ENV_SETTINGS_ERROR_DIR) == self._settings_error_dir:
             os.environ.pop(ENV_SETTINGS_ERROR_DIR, None)
             os.environ.pop(ENV_AGENT_PID, None)

@@ -42,7 +42,10 @@ RESUMED_LINE = re.compile(r"event: Resumed from (\S+) \(step (\d+)\)")
 
 
 def env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    """A torchrun agent's environment: the repo importable, one thread per rank, workers forked warm
+    (elastic_ddp.prestart, on by default; the test process itself turns it off, see conftest.py)."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "ELASTIC_DDP_PRESTART": "1", **extra}  # fmt: skip
 
 
 def steps(output: str) -> list[tuple[int, int]]:

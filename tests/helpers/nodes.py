@@ -83,6 +83,33 @@ def descendants(pid: int) -> list[int]:
     return result
 
 
+def worker_pids(agent: int) -> list[int]:
+    """The processes that run an agent's workers' script: the forks of its workers' template
+    (elastic_ddp.prestart; torchrun sees their relays), or where there is none its direct children."""
+    tree = descendants(agent)
+    templates = [p for p in tree if _parent(p) == agent and b"prestart/template.py" in _cmdline(p)]
+    if templates:
+        return [p for p in tree if _parent(p) in templates]
+    return [p for p in tree if _parent(p) == agent]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 class Node:
     """One torchrun agent started by :func:`start_node`; output goes to ``log_path``."""
 

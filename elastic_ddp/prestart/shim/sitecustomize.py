@@ -1,0 +1,114 @@
+"""A torchrun worker's first moments: ask the node's template for a warm copy that runs the script.
+
+On ``PYTHONPATH`` only in processes of an agent with this package's rendezvous handler (see
+``elastic_ddp/prestart/__init__.py``). Acts only in a direct child of that agent started as
+``python [-u] SCRIPT ARGS`` while the template answers; otherwise it does nothing and Python goes on
+as usual. Acting, it becomes a relay: torchrun's signals go to the copy, and the copy's exit status
+is this process's. Standard library only (the wire format is loaded by its path, not imported as
+part of the package): a worker that starts as usual pays for nothing.
+"""
+
+import os
+import sys
+
+
+def _plain_script_command():
+    """(script, args, unbuffered) of ``python [-u] SCRIPT ARGS``; None for any other command line."""
+    argv = list(getattr(sys, "orig_argv", ()))
+    if len(argv) < 2:
+        return None
+    options = argv[1 : len(argv) - len(sys.argv)]
+    if any(option != "-u" for option in options) or not sys.argv or not sys.argv[0].endswith(".py"):
+        return None
+    return sys.argv[0], sys.argv[1:], bool(options)
+
+
+def _relay():
+    path = os.environ.get("ELASTIC_DDP_PRESTART_SOCKET", "")
+    if not path or os.environ.get("ELASTIC_DDP_AGENT_PID", "") != str(os.getppid()):
+        return
+    command = _plain_script_command()
+    if command is None:
+        return
+    import importlib.util
+    import signal
+    import socket
+
+    spec = importlib.util.spec_from_file_location(
+        "_elastic_ddp_prestart_wire", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "wire.py")
+    )
+    wire = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wire)
+    script, args, unbuffered = command
+    # From before the request on: the copy may run (and torchrun signal) before the reply comes.
+    child, pending = [], []
+
+    def forward(signum, frame):
+        if not child:
+            pending.append(signum)
+            return
+        try:
+            os.kill(child[0], signum)
+        except ProcessLookupError:
+            pass
+
+    relayed = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+    previous = {signum: signal.signal(signum, forward) for signum in relayed}
+
+    def start_as_usual(why=None):
+        conn.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if why:
+            print(f"[elastic_ddp] This worker starts without its node's template: {why}.", file=sys.stderr, flush=True)
+        if pending:
+            os.kill(os.getpid(), pending[0])
+
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(2.0)
+        conn.connect(path)
+        request = {"script": script, "args": args, "unbuffered": unbuffered, "cwd": os.getcwd(),
+                   "env": dict(os.environ), "ppid": os.getppid()}  # fmt: skip
+        wire.send_message(conn, request, [0, 1, 2])
+        reply, _ = wire.read_message(conn)
+    except (OSError, ValueError):
+        start_as_usual()  # no template (yet)
+        return
+    if not reply or "pid" not in reply:
+        start_as_usual(reply.get("refused") if reply else None)
+        return
+    child.append(int(reply["pid"]))
+    for signum in pending:
+        forward(signum, None)
+    conn.settimeout(None)
+    try:
+        reply, _ = wire.read_message(conn)
+    except (OSError, ValueError):
+        reply = None
+    status = (reply or {}).get("status")
+    if status is None:
+        # The template is gone; the copy leaves as an orphan, with elastic_ddp.stop.EXIT_ORPHANED.
+        os._exit(70)
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _chain():
+    """Run the ``sitecustomize`` this one shadows (a distribution's, a virtualenv's), if any."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_relay()
+_chain()

@@ -1,0 +1,317 @@
+"""The template process: ``python .../elastic_ddp/prestart/template.py SOCKET AGENT_PID`` (see the package).
+
+One thread throughout, so that each fork copies a consistent process: the imports, then a loop over
+the listening socket, the relays' connections (a closed one: its worker is killed) and finished
+workers (their status goes to their relay).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import gc
+import importlib
+import importlib.util
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+_spec = importlib.util.spec_from_file_location("_elastic_ddp_prestart_wire", os.path.join(os.path.dirname(__file__), "wire.py"))
+_wire = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_wire)
+read_message, send_message = _wire.read_message, _wire.send_message
+
+ENV_SOCKET = "ELASTIC_DDP_PRESTART_SOCKET"  # elastic_ddp.prestart.ENV_SOCKET
+# What torchrun's agent sets for each worker (torch/distributed/elastic/agent/server/
+# local_elastic_agent.py and its log specs). A worker whose environment differs from the
+# template's in anything else starts as usual.
+PER_WORKER = frozenset({
+    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED",
+})  # fmt: skip
+PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_DDP_")
+
+# What a worker of this library imports before its first step; a module that cannot be imported
+# here (an optional one) is left to the worker.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint.state_dict", "elastic_ddp.run", "elastic_ddp.checkpoint")
+# How often the loop looks for finished workers and for its agent when nothing else happens.
+POLL_S = 0.05
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+
+
+def thread_count() -> int | None:
+    """Threads of this process (Linux ``/proc``); None where unknown."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+def fork_hazard(allowed_threads: int = 1) -> str | None:
+    """Why forking this process could hand a worker a broken state; None when it is safe.
+
+    More threads than ``allowed_threads`` (a lock another thread held stays held in the copy; the
+    template allows the BLAS thread pool that importing numpy starts, which stops itself before a
+    fork and starts again after, as every DataLoader worker forked from a training process relies
+    on); a CUDA driver or NVML loaded (their state does not survive a fork: CUDA fails in the
+    copy); CUDA initialized through torch.
+    """
+    threads = thread_count()
+    if threads is None:
+        return "no /proc to count this process's threads"
+    if threads > allowed_threads:
+        return f"{threads} threads run in it, {allowed_threads} when it started"
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            loaded = maps.read()
+    except OSError:
+        return "no /proc to see which libraries it loaded"
+    for library in ("libcuda.so", "libnvidia-ml.so"):
+        if library in loaded:
+            return f"{library} is loaded in it"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialized in it"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    socket_path, agent = argv[0], int(argv[1])
+    _die_with_parent()
+    if os.getppid() != agent:
+        return 0  # the agent is already gone
+    try:
+        importlib.import_module("numpy")  # first, alone: the threads it starts are the only ones allowed (fork_hazard)
+    except ImportError:
+        pass
+    allowed = thread_count() or 1
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the worker imports what it needs itself, and reports
+            pass
+    hazard = fork_hazard(allowed)
+    baseline = _initial_environment()
+    # What the imports made stays put: no collection in a copy touches (and so copies) those pages,
+    # and a worker's exit does not walk them (what Python's gc.freeze documentation advises for a
+    # process that forks workers).
+    gc.freeze()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Listening before the path exists: whoever sees the path can connect (Template.wait_ready).
+    staging = f"{socket_path}.{os.getpid()}"
+    listener.bind(staging)
+    listener.listen(64)
+    os.replace(staging, socket_path)
+    worker = _serve(listener, agent, hazard, baseline)
+    if worker is None:
+        return 0
+    return _run_worker(*worker)
+
+
+def _initial_environment() -> dict[str, str]:
+    """The environment this process was started with (the agent's), before any import changed it."""
+    try:
+        with open("/proc/self/environ", "rb") as environ:
+            entries = environ.read().split(b"\0")
+    except OSError:
+        return dict(os.environ)
+    pairs = (entry.decode(errors="surrogateescape").partition("=") for entry in entries if entry)
+    return {key: value for key, _, value in pairs if key != ENV_SOCKET}
+
+
+def _name_process(name: str) -> None:
+    """What ``ps -o comm`` and ``top`` show for a worker forked from here (its relay keeps the
+    script's command line)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the loop's check of its parent is the fallback
+
+
+def _serve(listener: socket.socket, agent: int, hazard: str | None, baseline: dict[str, str]):
+    """Serve until the agent is gone (None) or, in a forked copy, the worker to become."""
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, None)
+    children: dict[int, socket.socket] = {}
+    while os.getppid() == agent:
+        for key, _ in selector.select(timeout=POLL_S):
+            if key.data is None:
+                conn, _ = listener.accept()
+                request, fds = _read_request(conn)
+                if request is None:
+                    conn.close()
+                    continue
+                refusal = hazard or _refusal(request, baseline)
+                if refusal is not None:
+                    _close_fds(fds)
+                    _send_quietly(conn, {"refused": refusal})
+                    conn.close()
+                    continue
+                # What the imports put in the environment (a cache directory, say): a fresh worker
+                # would have it after the same imports, so the copy keeps it.
+                request["added"] = {k: v for k, v in os.environ.items() if k not in baseline}
+                pid = os.fork()
+                if pid == 0:
+                    # The copy: nothing of the loop's is its own.
+                    selector.close()
+                    listener.close()
+                    for other in children.values():
+                        other.close()
+                    conn.close()
+                    return request, fds
+                _close_fds(fds)
+                if _send_quietly(conn, {"pid": pid}):
+                    children[pid] = conn
+                    selector.register(conn, selectors.EVENT_READ, pid)
+                else:
+                    _kill(pid)
+                    conn.close()
+            else:
+                # A relay only ever closes its end: it is gone, so is its worker.
+                pid, conn = key.data, key.fileobj
+                if _relay_closed(conn):
+                    _kill(pid)
+        _reap(children, selector)
+    return None
+
+
+def _read_request(conn: socket.socket) -> tuple[dict | None, list[int]]:
+    conn.settimeout(5.0)
+    try:
+        request, fds = read_message(conn, max_fds=3)
+    except (OSError, ValueError):
+        return None, []
+    conn.settimeout(None)
+    if request is None or len(fds) != 3:
+        _close_fds(fds)
+        return None, []
+    return request, fds
+
+
+def _refusal(request: dict, baseline: dict[str, str]) -> str | None:
+    """Why this worker must start as usual (see the package docstring), or None."""
+    env = request.get("env", {})
+    differs = sorted(
+        k for k in set(env) | set(baseline)
+        if env.get(k) != baseline.get(k) and k not in PER_WORKER and not k.startswith(PER_WORKER_PREFIXES)
+    )  # fmt: skip
+    if differs:
+        return f"its environment differs from the template's in {', '.join(differs[:5])}"
+    return None
+
+
+def _relay_closed(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        selector.unregister(conn)
+        _send_quietly(conn, {"status": status})
+        conn.close()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _send_quietly(conn: socket.socket, message: dict) -> bool:
+    try:
+        send_message(conn, message)
+    except OSError:
+        return False
+    return True
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _run_worker(request: dict, fds: list[int]) -> int:
+    """In the forked copy: become the worker the relay describes, run its script, return its status."""
+    os.setsid()  # a session of its own, as torchrun gives each worker
+    _name_process(f"edp-rank{request['env'].get('RANK', '')}")
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    _close_fds([fd for fd in fds if fd > 2])
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for key, value in request["added"].items():
+        os.environ.setdefault(key, value)
+    script, args = request["script"], request["args"]
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    if request.get("unbuffered"):
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=True)
+    from elastic_ddp.processes import adopt_agent
+
+    adopt_agent(int(request["ppid"]))  # the relay's parent, torchrun's agent
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import runpy
+
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        return _exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except OSError as exc:
+        if exc.errno != errno.EPIPE:
+            raise
