@@ -78,7 +78,19 @@ def _relay():
     if not reply or "pid" not in reply:
         start_as_usual(reply.get("refused") if reply else None)
         return
-    child.append(int(reply["pid"]))
+    try:
+        child.append(int(reply["pid"]))
+        _relay_until_exit(conn, wire, child[0], pending, forward)
+    finally:
+        # Never past here: Python would go on to run the script in this process too.
+        os._exit(1)
+
+
+def _relay_until_exit(conn, wire, child, pending, forward):
+    """Pass on the signals that came during the handshake, then wait for the copy's status and
+    leave with it: its exit code, or death by its signal."""
+    import signal
+
     for signum in pending:
         forward(signum, None)
     conn.settimeout(None)
@@ -92,7 +104,8 @@ def _relay():
         os._exit(70)
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those have no handler to reset
+            signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
