@@ -108,7 +108,8 @@ def test_orphaned_workers_exit_by_themselves_when_their_agent_dies(job):
     j.wait_for_commit()
     workers = descendants(victim.pid)
     assert workers
-    t0 = time.monotonic()
+    # Marked before the kill: the survivor may resume before the orphans are seen gone.
+    mark, t0 = j.mark(), time.monotonic()
     victim.process.kill()  # only the agent: its workers are in a session of their own
 
     def all_gone() -> bool:
@@ -116,7 +117,6 @@ def test_orphaned_workers_exit_by_themselves_when_their_agent_dies(job):
 
     wait_for(all_gone, 30, what="the orphaned workers to exit")
     exit_s = time.monotonic() - t0
-    mark = j.mark()
     recovery_s = j.wait_for_training_since(mark, t0, world_size=1)
     report("orphaned workers (agent SIGKILLed alone)", "workers notice the lost parent and exit",
            round(exit_s, 1), None, survivor_training_again_s=round(recovery_s, 1),
