@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ import pytest
 from elastic_ddp.prestart import ENV_SWITCH, Template
 from elastic_ddp.stop import ENV_AGENT_PID
 from tests.helpers.job import Job
-from tests.helpers.nodes import descendants, wait_for, worker_pids
+from tests.helpers.nodes import cmdline, descendants, parent_pid, wait_for, worker_pids
 
 WORKER = textwrap.dedent("""
     import json, os, signal, sys
@@ -156,10 +155,10 @@ def test_under_torchrun_a_restarted_worker_is_forked_from_the_template_and_the_j
         job.wait_for_step(15)
         job.wait_for_commit()
         # Its forks keep its command line; the template itself is the agent's child.
-        [template_pid] = [p for p in descendants(node.pid) if b"prestart/template.py" in _cmdline(p) and _parent(p) == node.pid]
+        [template_pid] = [p for p in descendants(node.pid) if b"prestart/template.py" in cmdline(p) and parent_pid(p) == node.pid]
         forked = worker_pids(node.pid)
-        assert forked and all(_parent(p) == template_pid for p in forked)
-        relays = [p for p in descendants(node.pid) if _parent(p) == node.pid and p != template_pid]
+        assert forked and all(parent_pid(p) == template_pid for p in forked)
+        relays = [p for p in descendants(node.pid) if parent_pid(p) == node.pid and p != template_pid]
         os.kill(relays[0], signal.SIGKILL)  # the worker torchrun knows: the relay (and so its fork)
         wait_for(lambda: any(p not in forked for p in worker_pids(node.pid)), 120,
                  what="a restarted worker forked from the template")  # fmt: skip
@@ -169,23 +168,6 @@ def test_under_torchrun_a_restarted_worker_is_forked_from_the_template_and_the_j
     output = node.output()
     assert "torchrun restart 1 of" in output
     assert max(s for s, _ in job.progress()) == 60
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("PPid:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def test_the_template_is_gone_with_its_agent(tmp_path):
@@ -198,7 +180,8 @@ def test_the_template_is_gone_with_its_agent(tmp_path):
         time.sleep(120)
     """)], stdout=subprocess.PIPE, text=True)  # fmt: skip
     pid = int(agent.stdout.readline())
-    time.sleep(0.5)
+    # Serving means its imports are done, and it asked to die with its parent before them.
+    wait_for(lambda: (tmp_path / "prestart.sock").exists(), 120, what="the template to serve")
     agent.kill()
     agent.wait()
     wait_for(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), 30, what="the template to die with its agent")

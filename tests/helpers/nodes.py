@@ -87,13 +87,14 @@ def worker_pids(agent: int) -> list[int]:
     """The processes that run an agent's workers' script: the forks of its workers' template
     (elastic_ddp.prestart; torchrun sees their relays), or where there is none its direct children."""
     tree = descendants(agent)
-    templates = [p for p in tree if _parent(p) == agent and b"prestart/template.py" in _cmdline(p)]
+    templates = [p for p in tree if parent_pid(p) == agent and b"prestart/template.py" in cmdline(p)]
     if templates:
-        return [p for p in tree if _parent(p) in templates]
-    return [p for p in tree if _parent(p) == agent]
+        return [p for p in tree if parent_pid(p) in templates]
+    return [p for p in tree if parent_pid(p) == agent]
 
 
-def _parent(pid: int) -> int | None:
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` (``/proc``); None when it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("PPid:"):
@@ -103,7 +104,8 @@ def _parent(pid: int) -> int | None:
     return None
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
+    """The command line of ``pid``, NUL-separated; empty when it is gone."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
