@@ -5,7 +5,7 @@
 # the oldest end (2.13.0) is what deploy/local/install.sh installs where torch is missing.
 TORCH_NEWEST := 2.14.1
 
-.PHONY: demo test test-torch-newest
+.PHONY: demo test test-fast test-torch-newest
 
 ## A local elastic job: 2 torchrun agents on a bundled etcd, checkpoints and TensorBoard under runs/.
 demo:
@@ -17,8 +17,13 @@ demo:
 test:
 	bash deploy/local/test.sh
 
+## The unit tests alone (tests/unit: no etcd, S3 server or torchrun agent), for the inner loop of a
+## change; `make test` stays the whole suite.
+test-fast:
+	ELASTIC_DDP_TEST_SLURM=0 bash deploy/local/test.sh tests/unit
+
 ## The rendezvous and checkpoint tests (they reach into torch's elastic agent and DCP) on the
 ## newest torch, in a virtualenv of its own (torch 2.14.1 for Linux is a CUDA build: about 6 GB).
 test-torch-newest:
 	PYTHON= VENV=.venv-torch-$(TORCH_NEWEST) TORCH_VERSION=$(TORCH_NEWEST) \
-		bash deploy/local/test.sh tests/test_rendezvous_*.py tests/test_checkpoint_*.py
+		bash deploy/local/test.sh tests/*/test_rendezvous_*.py tests/*/test_checkpoint_*.py

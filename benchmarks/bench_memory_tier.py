@@ -13,7 +13,7 @@ and torchrun restarts the group, which resumes from the newest state it can find
 are ``K - 1`` minus the resume step of the ``failures.jsonl`` resume record. Durable-only
 (tier off, a durable checkpoint every ``DURABLE_EVERY`` steps, as today) vs the tier at its
 default budget. The killed process's node memory survives as a node's does for the survivors of
-a node loss (tests/test_memory_tier_e2e.py covers real node losses).
+a node loss (tests/chaos/test_memory_tier_e2e.py covers real node losses).
 
 On a machine with CUDA it runs one rank per GPU (nccl) and a larger model (``GPU``, ~57 M
 parameters, ~0.9 GB of model and AdamW state per rank), where a save's device-to-host copy is

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `elastic
 from benchmarks.common import machine_info  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CHAOS_SUITES = ("tests/test_chaos.py", "tests/test_memory_tier_e2e.py")
+CHAOS_SUITES = ("tests/chaos/test_chaos.py", "tests/chaos/test_memory_tier_e2e.py")
 
 # (what could be lost silently, the behaviour before, the behaviour now, the tests that show it)
 SILENT_LOSS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
@@ -37,91 +37,91 @@ SILENT_LOSS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "a failed final save",
         "logged, then `done` and exit 0: the trained model was gone",
         "exit non-zero with one error naming the URL, the step and the cause (`ENOSPC`: the disk is full)",
-        ("tests/test_silent_loss_e2e.py::test_a_full_disk_at_the_final_save_exits_nonzero_naming_url_step_and_full",
-         "tests/test_checkpoint_disk_full.py::test_disk_full_save_fails_cleanly_keeps_committed_and_recovers"),
+        ("tests/chaos/test_silent_loss_e2e.py::test_a_full_disk_at_the_final_save_exits_nonzero_naming_url_step_and_full",
+         "tests/integration/test_checkpoint_disk_full.py::test_disk_full_save_fails_cleanly_keeps_committed_and_recovers"),
     ),
     (
         "periodic saves that all fail",
         "a counter went up; a job could train for days with no checkpoint",
         "`checkpoint.max_failed_saves` (3) failures in a row stop the job non-zero",
-        ("tests/test_silent_loss_e2e.py::test_periodic_saves_failing_in_a_row_stop_the_job",),
+        ("tests/chaos/test_silent_loss_e2e.py::test_periodic_saves_failing_in_a_row_stop_the_job",),
     ),
     (
         "nodes with their own disks behind a local `checkpoint.url`",
         "every checkpoint failed verification; training restarted from step 1 and replaced them",
         "every rank proves it sees the same storage at start; otherwise all stop before step 1",
-        ("tests/test_silent_loss_e2e.py::test_nodes_with_their_own_disks_behind_a_local_url_stop_before_step_1",
-         "tests/test_checkpoint_shared_storage.py"),
+        ("tests/chaos/test_silent_loss_e2e.py::test_nodes_with_their_own_disks_behind_a_local_url_stop_before_step_1",
+         "tests/integration/test_checkpoint_shared_storage.py"),
     ),
     (
         "a new run on a URL holding another run's checkpoints",
         "its saves were skipped with a warning (or it resumed the old run)",
         "refused unless `checkpoint.overwrite=true`, which deletes the old ones first",
-        ("tests/test_silent_loss_e2e.py::test_a_fresh_start_on_a_url_with_checkpoints_is_refused_and_overwrite_replaces_them",),
+        ("tests/chaos/test_silent_loss_e2e.py::test_a_fresh_start_on_a_url_with_checkpoints_is_refused_and_overwrite_replaces_them",),
     ),
     (
         "a resume with changed seed, batch size, data or model shape",
         "the old run resumed under the new settings",
         "refused, naming each differing field and `checkpoint.allow_identity_change`",
-        ("tests/test_silent_loss_e2e.py::test_a_resume_with_other_identity_settings_is_refused_naming_the_fields",),
+        ("tests/chaos/test_silent_loss_e2e.py::test_a_resume_with_other_identity_settings_is_refused_naming_the_fields",),
     ),
     (
         "`torchrun --standalone` relaunched",
         "a new run directory per launch (torchrun's random run id): never resumed",
         "the run is named after the script; the same command resumes",
-        ("tests/test_your_model_e2e.py::test_standalone_trains_and_the_same_command_launched_again_resumes",),
+        ("tests/integration/test_your_model_e2e.py::test_standalone_trains_and_the_same_command_launched_again_resumes",),
     ),
     (
         "a killed worker under `torchrun --standalone`",
         "every restart failed to connect (shared agent store); --max-restarts spent, job died",
         "each round gets its own worker store; the group restarts, resumes and finishes",
-        ("tests/test_your_model_e2e.py::test_standalone_recovers_a_killed_worker_and_finishes",
-         "tests/test_rendezvous_plugin.py::test_loading_torchs_registry_gives_each_round_its_own_worker_store"),
+        ("tests/integration/test_your_model_e2e.py::test_standalone_recovers_a_killed_worker_and_finishes",
+         "tests/integration/test_rendezvous_plugin.py::test_loading_torchs_registry_gives_each_round_its_own_worker_store"),
     ),
     (
         "a second SIGTERM during the stop checkpoint",
         "the default action came back: the worker died mid-checkpoint",
         "later signals are logged and ignored; the stop checkpoint commits",
-        ("tests/test_silent_loss_e2e.py::test_repeated_sigterms_to_the_worker_process_group_do_not_kill_the_stop_checkpoint",
-         "tests/test_stop.py::test_a_second_and_third_sigterm_while_stopping_are_logged_and_ignored"),
+        ("tests/chaos/test_silent_loss_e2e.py::test_repeated_sigterms_to_the_worker_process_group_do_not_kill_the_stop_checkpoint",
+         "tests/unit/test_stop.py::test_a_second_and_third_sigterm_while_stopping_are_logged_and_ignored"),
     ),
     (
         "a stop checkpoint longer than torchrun's window",
         "manifests assumed 60 s; torchrun gives 30 s on a membership change, whatever the flag",
         "`checkpoint.grace_s` 20 s fits both windows with margin; manifests nest their timeouts",
-        ("tests/test_deploy.py::test_torchrun_waits_for_the_final_checkpoint",
-         "tests/test_deploy.py::test_training_pods_outlive_the_final_checkpoint"),
+        ("tests/setup/test_deploy.py::test_torchrun_waits_for_the_final_checkpoint",
+         "tests/setup/test_deploy.py::test_training_pods_outlive_the_final_checkpoint"),
     ),
     (
         "cleanup by a stale rank 0",
         "it could delete the new group's in-flight checkpoint",
         "cleanup and retention check the fence first",
-        ("tests/test_checkpoint_unit.py::test_a_stale_group_whose_save_fails_leaves_the_new_groups_directory_alone",
-         "tests/test_checkpoint_unit.py::test_a_stale_group_that_commits_before_a_takeover_skips_retention_and_the_leftover_sweep"),
+        ("tests/unit/test_checkpoint_unit.py::test_a_stale_group_whose_save_fails_leaves_the_new_groups_directory_alone",
+         "tests/unit/test_checkpoint_unit.py::test_a_stale_group_that_commits_before_a_takeover_skips_retention_and_the_leftover_sweep"),
     ),
     (
         "misleading endings",
         "\"Failure recovered\" on a continued run; Ctrl-C and joins printed `done steps=26/60`",
         "the summary says how the run ended (finished, stopped, paused, continued)",
-        ("tests/test_silent_loss_e2e.py::test_extending_a_finished_run_continues_it_and_ctrl_c_says_stopped",),
+        ("tests/chaos/test_silent_loss_e2e.py::test_extending_a_finished_run_continues_it_and_ctrl_c_says_stopped",),
     ),
     (
         "`elastic-ddp tensorboard` stopped by a signal",
         "its TensorBoard child kept serving, orphaned",
         "the signal is passed on; a child that ignores it is killed",
-        ("tests/test_setup_tensorboard_command.py",),
+        ("tests/setup/test_setup_tensorboard_command.py",),
     ),
     (
         "set-up replacing the machine's torch",
         "`pip install -e .[test]` upgraded torch 2.13 to 2.14.1 with 4 GB of CUDA wheels",
         "installs pin the installed torch; `make test` fails if torch changed",
-        ("tests/test_setup_install.py",),
+        ("tests/setup/test_setup_install.py",),
     ),
     (
         "the bundled etcd beside an unactivated venv",
         "\"The etcd binary was not found on PATH\"",
         "found next to the running interpreter",
-        ("tests/test_setup_etcd_lookup.py",),
+        ("tests/setup/test_setup_etcd_lookup.py",),
     ),
 )
 ENV_OUT = "ELASTIC_DDP_RELIABILITY_OUT"

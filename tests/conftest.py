@@ -7,7 +7,7 @@ pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.etcd"]
 
 # Rendezvous handlers made inside this process (the handler's and plugin's own tests) start no
 # workers, so they start no workers' template either (elastic_ddp.prestart). torchrun agents the
-# tests start turn it back on (tests/helpers/job.py: env()); tests/test_prestart.py tests it.
+# tests start turn it back on (tests/helpers/job.py: env()); tests/integration/test_prestart.py tests it.
 os.environ["ELASTIC_DDP_PRESTART"] = "0"
 
 

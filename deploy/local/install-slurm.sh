@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install a single-host Slurm for tests/test_slurm_e2e.py: slurmctld, slurmd, the client commands
+# Install a single-host Slurm for tests/setup/test_slurm_e2e.py: slurmctld, slurmd, the client commands
 # (sbatch, srun, scontrol, scancel, squeue, sinfo) and munge, from the distribution's packages (Debian 12:
 # Slurm 22.05). The tests start and stop their own daemons with a throwaway configuration; this
 # script only installs, and stops any daemon the packages started.

@@ -22,9 +22,11 @@ if [[ $started != none && $started != "$installed" ]]; then
     exit 1
 fi
 
-# A one-host Slurm for tests/test_slurm_e2e.py (needs root and apt-get; without them those tests
+# A one-host Slurm for tests/setup/test_slurm_e2e.py (needs root and apt-get; without them those tests
 # fail, saying what to install).
-bash deploy/local/install-slurm.sh || echo "warning: Slurm is not installed; tests/test_slurm_e2e.py will fail." >&2
+# `make test-fast` (ELASTIC_DDP_TEST_SLURM=0) runs no Slurm test and skips it.
+[[ ${ELASTIC_DDP_TEST_SLURM:-1} == 0 ]] ||
+    bash deploy/local/install-slurm.sh || echo "warning: Slurm is not installed; tests/setup/test_slurm_e2e.py will fail." >&2
 
 status=0
 put_scripts_on_path  # tests and the processes they start find etcdctl, moto_server, ... as when activated

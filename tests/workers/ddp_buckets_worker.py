@@ -1,4 +1,4 @@
-"""Worker of tests/test_ddp_buckets.py, under ``torchrun --standalone`` (gloo, CPU).
+"""Worker of tests/integration/test_ddp_buckets.py, under ``torchrun --standalone`` (gloo, CPU).
 
 For each case named on the command line: STEPS steps in one DDP instance (uninterrupted), and
 STEPS/2 steps, then a new model and optimizer loaded from their state dicts, a new DDP over them and

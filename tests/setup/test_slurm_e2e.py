@@ -39,7 +39,7 @@ from tests.helpers.slurm import SlurmCluster
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "deploy" / "slurm" / "train.sbatch"
 
 # The script's defaults, which the tests keep: its etcd user, its checkpoint bucket; and the

@@ -35,7 +35,7 @@ from elastic_ddp.config import (
 )
 from elastic_ddp.lm import CorpusConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"
 
 

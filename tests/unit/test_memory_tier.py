@@ -2,7 +2,7 @@
 
 One process, no process group: a tier of local rank 0 reads every part itself, so a node's save
 by several local ranks (several tier objects on one directory) and its restore are exercised
-without torchrun. The collectives are covered by tests/test_memory_tier_e2e.py.
+without torchrun. The collectives are covered by tests/chaos/test_memory_tier_e2e.py.
 """
 
 from __future__ import annotations

@@ -40,10 +40,10 @@ from elastic_ddp.rendezvous import plugin
 from elastic_ddp.rendezvous.client import EtcdClient
 from tests.fixtures.s3 import BUCKET
 from tests.helpers.job import Job, resumed_steps, steps
-from tests.test_security_etcd import JOB_PREFIX, ROOT_PASSWORD, _etcdctl, pki, secure_etcd  # noqa: F401 (fixtures)
+from tests.integration.test_security_etcd import JOB_PREFIX, ROOT_PASSWORD, _etcdctl, pki, secure_etcd  # noqa: F401 (fixtures)
 
 LEAK_USER = "job-leak"
-ROLE = "job-secure"  # read-write on JOB_PREFIX only (tests/test_security_etcd.py)
+ROLE = "job-secure"  # read-write on JOB_PREFIX only (tests/integration/test_security_etcd.py)
 MAX_STEPS = 8
 
 

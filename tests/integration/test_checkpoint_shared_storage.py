@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.nodes import Node
 
-WORKER = str(Path(__file__).parent / "workers" / "ckpt_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "ckpt_worker.py")
 
 
 @pytest.mark.slow

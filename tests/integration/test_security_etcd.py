@@ -29,7 +29,7 @@ from elastic_ddp.rendezvous import plugin
 from elastic_ddp.rendezvous.client import EtcdAuthError, EtcdClient, EtcdConnectionError
 from tests.helpers.nodes import start_node
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "rdzv_worker.py"
 
 JOB_USER, JOB_PASSWORD = "job-secure", "job-secret-pw"

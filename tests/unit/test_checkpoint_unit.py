@@ -578,7 +578,7 @@ def test_export_of_an_unknown_object_fails_listing_what_the_checkpoint_holds(run
 
 def test_export_rank_must_be_a_rank_of_the_save(run_checkpoint, tmp_path, capsys) -> None:
     # Saved by one process: nothing differs across ranks, and rank 0 is the only rank of the save.
-    # (Rank R's per-rank values: tests/test_checkpoint_torchrun.py exports them from a 2-rank save.)
+    # (Rank R's per-rank values: tests/integration/test_checkpoint_torchrun.py exports them from a 2-rank save.)
     out = tmp_path / "out.pt"
     for rank in ("1", "-1"):
         assert ckpt_cli.main(["ckpt", "export", run_checkpoint.url, str(out), "--rank", rank]) == 1

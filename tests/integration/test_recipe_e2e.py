@@ -18,7 +18,7 @@ import pytest
 from tests.helpers.job import TEST_RDZV_CONF
 from tests.helpers.nodes import start_node, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "train.py"
 
 # A model and corpus small enough that a step takes milliseconds on a loaded 2-core machine.

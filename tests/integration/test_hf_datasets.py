@@ -122,7 +122,7 @@ def test_the_fingerprint_is_the_datasets_own_unless_one_is_given():
 
 
 def test_the_same_dataset_built_in_another_process_has_the_same_fingerprint():
-    script = "from tests.test_hf_datasets import table; print(table()._fingerprint)"
+    script = "from tests.integration.test_hf_datasets import table; print(table()._fingerprint)"
     other = subprocess.run([sys.executable, "-c", script], env=env(), capture_output=True, text=True, timeout=120)
     assert other.returncode == 0, other.stderr[-3000:]
     assert other.stdout.strip() == dataset_fingerprint(table())

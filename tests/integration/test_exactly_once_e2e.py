@@ -131,7 +131,7 @@ def test_resume_at_the_same_world_size_is_bitwise_identical(reference, etcd_endp
 def test_resume_after_kill_9_past_the_committed_checkpoint_is_bitwise_identical(reference, etcd_endpoint, tmp_path):
     ref_history, ref_weights = reference
     # Rank 0 stalls at the start of step 25, so the kill finds steps 21-24 trained but not saved.
-    # The memory tier off: this is the durable tier's resume (tests/test_memory_tier_e2e.py has the other).
+    # The memory tier off: this is the durable tier's resume (tests/chaos/test_memory_tier_e2e.py has the other).
     durable_only = ["--checkpoint.memory_overhead=0"]
     first = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="first", flags=durable_only,
                 env={"ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip

@@ -2,7 +2,7 @@
 rank 0, recorded in the manifests and shown by ``ckpt list``; registered objects that start from the
 source too (``checkpoint.init_from_objects``: an EMA copy takes the model's weights, or its own entry
 of another run's checkpoint). The end-to-end run (the classifier recipe
-started from another run's safetensors export, killed and resumed) is tests/test_init_from_e2e.py."""
+started from another run's safetensors export, killed and resumed) is tests/integration/test_init_from_e2e.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from elastic_ddp.checkpoint.catalog import list_checkpoints
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.config import Config, ConfigError, load_config
 from elastic_ddp.state import ModelState, as_stateful
-from tests.test_checkpoint_unit import Box, manager
+from tests.unit.test_checkpoint_unit import Box, manager
 
 
 class Net(torch.nn.Module):
@@ -223,7 +223,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[4])
 from elastic_ddp.checkpoint import pretrained as pt
 from elastic_ddp.state import ModelState
-from tests.test_init_from import fresh, equal
+from tests.unit.test_init_from import fresh, equal
 
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=3)
@@ -250,7 +250,7 @@ def test_three_ranks_end_with_the_source_read_once_and_share_its_errors(tmp_path
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     store = tmp_path / "store"
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, str(script), str(rank), str(store), str(source), repo], env=env,
@@ -402,7 +402,7 @@ import sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[5])
 from elastic_ddp.checkpoint import pretrained as pt
 from elastic_ddp.state import ModelState, as_stateful
-from tests.test_init_from import fresh, equal, ema_of, ema_weights, pretrained
+from tests.unit.test_init_from import fresh, equal, ema_of, ema_weights, pretrained
 
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=3)
@@ -427,7 +427,7 @@ def test_three_ranks_start_an_ema_from_the_models_weights_or_its_own_entry(tmp_p
     other_run = checkpoint_with_ema(pretrained(seed=1), pretrained(seed=5), tmp_path / "ckpts")
     script = tmp_path / "worker.py"
     script.write_text(EMA_WORKER)
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store"), str(weights_file), str(other_run),

@@ -24,7 +24,7 @@ import yaml
 
 from elastic_ddp.config import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 SBATCH = DEPLOY / "slurm" / "train.sbatch"

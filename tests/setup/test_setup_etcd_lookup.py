@@ -18,7 +18,7 @@ import pytest
 
 from elastic_ddp.etcd_server import ETCD_BINARY_ENV, etcd_binary
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

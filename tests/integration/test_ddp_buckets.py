@@ -23,7 +23,7 @@ from elastic_ddp.ddp_buckets import NOT_BITWISE, stabilize_buckets
 from tests.helpers.job import env
 from tests.helpers.nodes import start_node
 
-WORKER = Path(__file__).parent / "workers" / "ddp_buckets_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "ddp_buckets_worker.py"
 STEPS = 8
 
 # The worker's cases where DDP rebuilds its buckets: each must resume bitwise, its prediction checked.

@@ -18,7 +18,7 @@ from elastic_ddp.rendezvous.client import EtcdConnectionError
 from elastic_ddp.stop import ENV_SETTINGS_ERROR_DIR
 from tests.helpers.nodes import start_node, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "rdzv_worker.py"
 
 

@@ -22,7 +22,7 @@ import yaml
 
 from tests.helpers.job import RECIPE, RESUMED_LINE, TEST_RDZV_CONF, TINY, env, steps
 from tests.helpers.nodes import Node, start_node, wait_for
-from tests.test_metrics import (
+from tests.unit.test_metrics import (
     assert_every_tag_strictly_increasing,
     fetch_when_served,
     read_back,

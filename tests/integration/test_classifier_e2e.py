@@ -86,7 +86,7 @@ def references(etcd_server, tmp_path_factory):
 
 
 def test_the_step_40_checkpoint_exports_in_every_format_and_reads_back_without_this_package(references, tmp_path):
-    from tests.test_checkpoint_export import read_back_without_elastic_ddp
+    from tests.unit.test_checkpoint_export import read_back_without_elastic_ddp
 
     url = str(references["checkpoint-0.1"])
     for fmt in ("torch", "dcp", "safetensors"):
@@ -106,7 +106,7 @@ def test_the_step_40_checkpoint_exports_in_every_format_and_reads_back_without_t
 def test_kill_9_and_resume_with_nn_dropout_is_bitwise_identical(references, etcd_endpoint, tmp_path):
     ref_history, ref_weights = references[0.1]
     # Rank 0 stalls at the start of step 25, so the kill finds steps 21-24 trained but not saved.
-    # The memory tier off: this is the durable tier's resume (tests/test_memory_tier_e2e.py has the other).
+    # The memory tier off: this is the durable tier's resume (tests/chaos/test_memory_tier_e2e.py has the other).
     durable_only = ["--checkpoint.memory_overhead=0"]
     first = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="first", dropout=0.1, flags=durable_only,
                 env={"ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip

@@ -16,7 +16,7 @@ from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.checkpoint.catalog import list_checkpoints
 from elastic_ddp.checkpoint.storage import Storage
 from tests.helpers.job import resumed_steps
-from tests.test_classifier_e2e import HALF, MAX_STEPS, finish, run
+from tests.integration.test_classifier_e2e import HALF, MAX_STEPS, finish, run
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.config import CheckpointConfig
 from elastic_ddp.state import ModelState, OptimizerState
 
-WORKER = str(Path(__file__).parent / "workers" / "ckpt_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "ckpt_worker.py")
 IDENTITY = {"worker": "ckpt_worker"}  # the worker's run identity
 
 
