@@ -55,7 +55,7 @@ def _participants(endpoint: str, run_id: str, first: int, count: int, start_at: 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
     from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
-    from elastic_ddp.rendezvous.client import EtcdClient
+    from elastic_ddp.etcd import EtcdClient
 
     client = EtcdClient(endpoint, timeout=60)
     out: list = []
@@ -74,7 +74,7 @@ def _participants(endpoint: str, run_id: str, first: int, count: int, start_at: 
 
 def contend(endpoint: str, n: int, processes: int) -> dict[str, float]:
     from elastic_ddp.rendezvous.backend import DEFAULT_KEY_PREFIX, state_key
-    from elastic_ddp.rendezvous.client import EtcdClient
+    from elastic_ddp.etcd import EtcdClient
 
     run_id = f"contention-{uuid.uuid4().hex[:8]}"
     spawn = mp.get_context("spawn")

@@ -14,7 +14,7 @@ _LAZY = {
     "create_backend": "elastic_ddp.rendezvous.plugin",
     "EtcdV3RendezvousBackend": "elastic_ddp.rendezvous.backend",
     "EtcdV3Store": "elastic_ddp.rendezvous.store",
-    "EtcdClient": "elastic_ddp.rendezvous.client",
+    "EtcdClient": "elastic_ddp.etcd",
 }
 
 

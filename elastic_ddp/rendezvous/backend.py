@@ -24,7 +24,7 @@ from typing import NoReturn
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastic_ddp.rendezvous.client import EtcdClient, EtcdError, KeyValue
+from elastic_ddp.etcd import EtcdClient, EtcdError, KeyValue, WatchStream
 
 __all__ = ["DEFAULT_KEY_PREFIX", "DEFAULT_STATE_TTL", "EtcdV3RendezvousBackend", "state_key"]
 
@@ -85,6 +85,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._lease_lock = threading.Lock()
         self._lease_id: int | None = None
         self._lease_refreshed_at = 0.0
+        # Holds a stream and a thread only while a wait_for_state_change runs.
+        self._watches = WatchStream(client, name="etcd-state-watch")
 
     @property
     def name(self) -> str:
@@ -139,7 +141,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         except (TypeError, ValueError):
             revision = 0
         try:
-            return self._client.wait_for_change(self._key, revision + 1, timeout)
+            return self._watches.wait_for_change(self._key, revision + 1, timeout)
         except EtcdError:
             return True  # let the next read find out; it reports a lasting outage itself
 

@@ -112,7 +112,7 @@ from elastic_ddp.stop import (
     ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, clear_restart_marks, read_settings_error, report_members_gone,
     report_nodes_joining,
 )  # fmt: skip
-from elastic_ddp.rendezvous.client import (
+from elastic_ddp.etcd import (
     Backoff, Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError,
     KeyValue, LeaseKeepAlive, Put, Range, TxnResult, WatchStream, prefix_end,
 )  # fmt: skip

@@ -5,7 +5,8 @@ its own legacy v2 ``etcd`` handler before loading entry points and refuses a sec
 name, so :func:`etcd_handler` first removes torch's entry (:func:`_torch_handler_registry` is the
 one place touching torch's private registry dict). ``ELASTIC_DDP_TORCH_ETCD=1`` keeps torch's own.
 
-This module imports neither grpc nor etcd3; the client is imported when a handler is created.
+This module imports neither grpc nor etcd3; the etcd client (elastic_ddp.etcd) is imported when a
+handler is created.
 
 Recovery defaults -- what bounds "SIGKILL of one node -> survivors train again" (measured with
 ``benchmarks/bench_recovery.py`` and the chaos suite):
@@ -45,7 +46,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 
 if TYPE_CHECKING:  # pragma: no cover
     from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
-    from elastic_ddp.rendezvous.client import EtcdClient
+    from elastic_ddp.etcd import EtcdClient
     from elastic_ddp.rendezvous.handler import EtcdRendezvousHandler, HandlerSettings
     from elastic_ddp.rendezvous.store import EtcdV3Store
 
@@ -192,7 +193,7 @@ def _key_prefix(params: RendezvousParameters) -> str:
 
 def create_client(params: RendezvousParameters) -> EtcdClient:
     """The etcd client described by ``params`` (see :func:`create_backend` for the options)."""
-    from elastic_ddp.rendezvous.client import EtcdClient, EtcdError, parse_endpoints
+    from elastic_ddp.etcd import EtcdClient, EtcdError, parse_endpoints
 
     _check_keys(params)
     _key_prefix(params)  # validate every option before any connection is made
@@ -245,7 +246,7 @@ def _connected_client(params: RendezvousParameters) -> EtcdClient:
     Raises:
         RendezvousConnectionError: etcd did not answer or refused the request.
     """
-    from elastic_ddp.rendezvous.client import EtcdError
+    from elastic_ddp.etcd import EtcdError
 
     client = create_client(params)
     if _conf(params, "user") is None:

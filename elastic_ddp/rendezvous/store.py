@@ -31,6 +31,7 @@ reads and writes one key per node each round, which is 1 + 8 round trips this wa
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import threading
 import time
@@ -40,11 +41,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elastic_ddp.rendezvous.client import (
-    Backoff, Compare, DeleteRange, EtcdClient, EtcdConnectionError, EtcdError, KeyValue, LeaseKeeper, Put, Range,
+from elastic_ddp.etcd import (
+    Backoff, Compare, DeleteRange, EtcdClient, EtcdConnectionError, EtcdError, KeyValue, LeaseKeepAlive, Put, Range,
+    WatchStream,
 )  # fmt: skip
 
 __all__ = ["DEFAULT_STORE_LEASE_TTL", "DEFAULT_STORE_TIMEOUT", "EtcdV3Store"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout
 # Long enough to survive an etcd outage of a few minutes without losing keys (the keeper
@@ -65,11 +69,59 @@ def _seconds(timeout: timedelta | float) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
-class _Shared:
-    """What a store and its clones share: the lease, the add lock and ledger identity, the clones."""
+class _Lease:
+    """The store's lease: granted at the first write, renewed every ``ttl / 3`` seconds, granted
+    anew after it expired (etcd unreachable for longer than the TTL); writers read
+    :attr:`lease_id` at each write so new keys attach to the live lease."""
 
-    def __init__(self, lease: LeaseKeeper) -> None:
-        self.lease = lease
+    def __init__(self, client: EtcdClient, ttl: int) -> None:
+        if ttl < 1:
+            raise ValueError(f"The lease TTL ({ttl}) must be at least one second.")
+        self._client = client
+        self.ttl = int(ttl)
+        self._lock = threading.Lock()
+        self._lease_id: int | None = None
+        self._closed = False
+        # A renewal may wait for as long as any request (the TTL leaves room for several).
+        self._keep_alive = LeaseKeepAlive(client, client.timeout, name="etcd-store-lease")
+
+    @property
+    def lease_id(self) -> int:
+        with self._lock:
+            if self._lease_id is None:
+                self._lease_id = self._client.grant_lease(self.ttl)
+                if not self._closed:  # a write after close() gets a lease that simply expires
+                    self._keep_alive.add(self._lease_id, max(self.ttl / 3.0, 0.5), self._expired)
+            return self._lease_id
+
+    def _expired(self, lease_id: int) -> None:
+        with self._lock:
+            if self._lease_id == lease_id:
+                self._lease_id = None  # the next write grants a new one
+
+    def close(self, revoke: bool = False) -> None:
+        """Stop renewing; with ``revoke`` also delete the lease and its keys now. Returns within
+        about two request timeouts even when etcd is unreachable (a renewal in flight, then the
+        revocation); a lease that could not be revoked expires after its TTL."""
+        with self._lock:
+            self._closed = True
+        self._keep_alive.close()
+        with self._lock:
+            lease_id, self._lease_id = self._lease_id, None
+        if revoke and lease_id is not None:
+            try:
+                self._client.revoke_lease(lease_id)
+            except EtcdError:
+                log.debug("Revoking etcd lease %x failed; it will expire on its own.", lease_id, exc_info=True)
+
+
+class _Shared:
+    """What a store and its clones share: the lease, the watch stream of the blocking reads, the
+    add lock and ledger identity, the clones."""
+
+    def __init__(self, client: EtcdClient, lease_ttl: int) -> None:
+        self.lease = _Lease(client, lease_ttl)
+        self.watches = WatchStream(client, name="etcd-store-watch")
         self.lock = threading.Lock()
         self.add_lock = threading.Lock()
         self.store_id = uuid.uuid4().hex
@@ -117,7 +169,7 @@ class EtcdV3Store(dist.Store):
             raise ValueError("The etcd store prefix must be a non-empty string.")
         self._client = client
         self._prefix = _to_bytes(prefix if prefix.endswith("/") else prefix + "/")
-        self._shared = _shared or _Shared(LeaseKeeper(client, lease_ttl, name="etcd-store-lease"))
+        self._shared = _shared or _Shared(client, lease_ttl)
         self._lease = self._shared.lease
         self.set_timeout(timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout))
 
@@ -272,7 +324,7 @@ class EtcdV3Store(dist.Store):
                 # prefix (not each key) keeps it one watch however many keys are awaited.
                 self._etcd(
                     "watch for keys",
-                    lambda: self._client.wait_for_change(self._prefix, revision + 1, remaining, prefix=True),
+                    lambda: self._shared.watches.wait_for_change(self._prefix, revision + 1, remaining, prefix=True),
                 )
             except dist.DistStoreError as exc:
                 # etcd did not answer in time (overloaded, electing a leader): the wait's own
@@ -323,6 +375,6 @@ class EtcdV3Store(dist.Store):
         return self.num_keys()
 
     def close(self, revoke: bool = False) -> None:
-        """Stop the lease keeper (shared with the clones); with ``revoke`` also delete every key
+        """Stop renewing the lease (shared with the clones); with ``revoke`` also delete every key
         written through this store or its clones."""
         self._lease.close(revoke=revoke)

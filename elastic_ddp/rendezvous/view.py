@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from elastic_ddp.rendezvous.client import EtcdClient, KeyValue, Range, WatchEvent, WatchStream
+from elastic_ddp.etcd import EtcdClient, KeyValue, Range, WatchEvent, WatchStream
 from elastic_ddp.rendezvous.rounds import RoundRecord
 
 __all__ = ["RoundView", "RunKeys", "Snapshot", "run_lease_id"]

@@ -10,7 +10,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 
 from elastic_ddp.etcd_server import free_port
 from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
-from elastic_ddp.rendezvous.client import EtcdClient
+from elastic_ddp.etcd import EtcdClient
 
 
 class RendezvousBackendContract:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from elastic_ddp.etcd_server import EtcdServer
-from elastic_ddp.rendezvous.client import (
+from elastic_ddp.etcd import (
     EtcdClient, EtcdCompactedError, LeaseKeepAlive, Range, WatchEvent, WatchStream, parse_endpoints,
 )  # fmt: skip
 from tests.helpers.nodes import wait_for

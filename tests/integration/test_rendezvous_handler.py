@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous import (
 from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, members_gone, nodes_joining, report_settings_error
 from elastic_ddp.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
-from elastic_ddp.rendezvous.client import EtcdClient, EtcdConnectionError, Range
+from elastic_ddp.etcd import EtcdClient, EtcdConnectionError, Range
 from elastic_ddp.rendezvous import handler as handler_module
 from elastic_ddp.rendezvous.handler import ENV_RDZV_ROUND, EtcdRendezvousHandler, InvalidSettingsError
 from elastic_ddp.rendezvous.liveness import LivenessListener
@@ -222,7 +222,7 @@ def test_a_member_that_leaves_is_a_membership_change_answered_without_etcd(run, 
 
     wait_for(lambda: a.num_nodes_waiting() == 1, 30, what="the departure to be seen")
     with monkeypatch.context() as patched:
-        patched.setattr(a._client, "_call", no_requests)
+        patched.setattr(a._client, "request", no_requests)
         assert a.num_nodes_waiting() == 1  # from watched state only
     assert ranks(join_all(a)) == [(0, 1)]
 
@@ -331,7 +331,7 @@ def test_a_workers_settings_error_ends_the_job_on_every_node_with_its_message(ru
         raise AssertionError("num_nodes_waiting() made an etcd request")
 
     with monkeypatch.context() as patched:
-        patched.setattr(a._client, "_call", no_requests)
+        patched.setattr(a._client, "request", no_requests)
         assert a.num_nodes_waiting() == 1  # the agent restarts its healthy group: no restart is counted
     assert b.num_nodes_waiting() == 0
     with pytest.raises(InvalidSettingsError) as raised:

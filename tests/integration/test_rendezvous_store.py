@@ -65,7 +65,7 @@ def test_add_from_threads_sums_exactly(store):
 def test_add_from_processes_sums_exactly(store, etcd_endpoint):
     script = (
         "import sys\n"
-        "from elastic_ddp.rendezvous.client import EtcdClient\n"
+        "from elastic_ddp.etcd import EtcdClient\n"
         "from elastic_ddp.rendezvous.store import EtcdV3Store\n"
         "s = EtcdV3Store(EtcdClient(sys.argv[1]), sys.argv[2], timeout=30)\n"
         "s.wait(['go'])\n"
@@ -308,7 +308,7 @@ class ReplyCutter:
 
 
 def test_an_add_whose_reply_is_lost_is_applied_once_after_failover(etcd_endpoint, etcd_prefix):
-    from elastic_ddp.rendezvous.client import EtcdClient, parse_endpoints
+    from elastic_ddp.etcd import EtcdClient, parse_endpoints
 
     proxy = ReplyCutter(parse_endpoints(etcd_endpoint)[0], marker=b"1234567")
     # The proxy first (the client starts there), the same etcd directly second (the failover).
@@ -329,7 +329,7 @@ def test_an_add_whose_reply_is_lost_is_applied_once_after_failover(etcd_endpoint
 
 def test_a_blocking_get_rides_out_etcd_being_down_until_its_own_timeout(tmp_path, monkeypatch):
     from elastic_ddp.etcd_server import EtcdServer
-    from elastic_ddp.rendezvous.client import EtcdClient, EtcdConnectionError
+    from elastic_ddp.etcd import EtcdClient, EtcdConnectionError
 
     with EtcdServer(tmp_path / "etcd") as own, EtcdClient(own.endpoint, timeout=1) as client:
         waiting = EtcdV3Store(client, "/ride-out/", timeout=timedelta(seconds=60), lease_ttl=60)

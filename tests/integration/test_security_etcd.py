@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 
 from elastic_ddp.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
-from elastic_ddp.rendezvous.client import EtcdAuthError, EtcdClient, EtcdConnectionError
+from elastic_ddp.etcd import EtcdAuthError, EtcdClient, EtcdConnectionError
 from tests.helpers.nodes import start_node
 
 REPO = Path(__file__).resolve().parents[2]

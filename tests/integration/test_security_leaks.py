@@ -37,7 +37,7 @@ from tensorboard.util import tensor_util
 
 from elastic_ddp.checkpoint import ENV_CHECKPOINT_KEY
 from elastic_ddp.rendezvous import plugin
-from elastic_ddp.rendezvous.client import EtcdClient
+from elastic_ddp.etcd import EtcdClient
 from tests.fixtures.s3 import BUCKET
 from tests.helpers.job import Job, resumed_steps, steps
 from tests.integration.test_security_etcd import JOB_PREFIX, ROOT_PASSWORD, _etcdctl, pki, secure_etcd  # noqa: F401 (fixtures)
