@@ -14,6 +14,7 @@ from elastic_ddp.etcd import (
     EtcdClient, EtcdCompactedError, LeaseKeepAlive, Range, WatchEvent, WatchStream, parse_endpoints,
 )  # fmt: skip
 from tests.helpers.nodes import wait_for
+from tests.helpers.proxy import TcpProxy
 
 
 class Collector:
@@ -104,41 +105,18 @@ def test_keep_alive_renews_a_lease_past_its_ttl_and_reports_one_that_ended(etcd_
         keep.close()
 
 
-class Silence:
+class Silence(TcpProxy):
     """A TCP proxy in front of etcd that, once muted, forwards requests but no replies and keeps the
     connection open: a member that stopped answering without the network saying so."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
         self.muted = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            self._sockets += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
-
-    def _pump(self, source: socket.socket, target: socket.socket, replies: bool) -> None:
-        try:
-            while data := source.recv(65536):
-                if not (replies and self.muted.is_set()):
-                    target.sendall(data)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self._listener.close()
-        for sock in self._sockets:
-            sock.close()
+    def forward(self, data: bytes, to_server: bool, target: socket.socket) -> bool:
+        if to_server or not self.muted.is_set():
+            target.sendall(data)
+        return True
 
 
 def test_keep_alive_moves_to_another_member_when_its_member_stops_answering(etcd_endpoint, etcd_prefix):

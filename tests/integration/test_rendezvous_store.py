@@ -14,6 +14,7 @@ from torch.distributed.elastic.utils.store import barrier, synchronize
 
 from elastic_ddp.rendezvous.store import EtcdV3Store
 from tests.helpers.nodes import record_raises, wait_for
+from tests.helpers.proxy import TcpProxy
 
 
 @pytest.fixture
@@ -250,61 +251,27 @@ def test_deleting_a_range_of_rounds_takes_their_add_ledger_along(store, etcd_cli
 # -- add across failover -------------------------------------------------------------------------
 
 
-class ReplyCutter:
+class ReplyCutter(TcpProxy):
     """A TCP proxy in front of etcd that forwards every request and, once armed, cuts the
     connection right after forwarding the first request carrying ``marker`` -- before etcd's reply
     to it can come back. The request is applied; the client only sees a dropped connection."""
 
     def __init__(self, upstream: tuple[str, int], marker: bytes) -> None:
-        import socket
-
-        self.upstream, self.marker = upstream, marker
+        self.marker = marker
         self.armed = threading.Event()
         self.cut = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream)
 
-    def _accept(self) -> None:
-        import socket
-
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            self._sockets += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
-
-    def _pump(self, source, target, to_server: bool) -> None:
-        try:
-            while data := source.recv(65536):
-                if not to_server and self.cut.is_set():
-                    break  # the reply never reaches the client
-                if to_server and self.armed.is_set() and self.marker in data and not self.cut.is_set():
-                    self.cut.set()  # before forwarding: the reply cannot overtake the flag
-                    target.sendall(data)
-                    time.sleep(0.3)  # etcd applies the request meanwhile
-                    break
-                target.sendall(data)
-        except OSError:
-            pass
-        for sock in (source, target):
-            try:
-                sock.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._listener.close()
-        for sock in self._sockets:
-            try:
-                sock.close()
-            except OSError:
-                pass
+    def forward(self, data: bytes, to_server: bool, target) -> bool:
+        if not to_server and self.cut.is_set():
+            return False  # the reply never reaches the client
+        if to_server and self.armed.is_set() and self.marker in data and not self.cut.is_set():
+            self.cut.set()  # before forwarding: the reply cannot overtake the flag
+            target.sendall(data)
+            time.sleep(0.3)  # etcd applies the request meanwhile
+            return False
+        target.sendall(data)
+        return True
 
 
 def test_an_add_whose_reply_is_lost_is_applied_once_after_failover(etcd_endpoint, etcd_prefix):
