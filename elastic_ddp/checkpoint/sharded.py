@@ -13,7 +13,7 @@ Reading (each rank that holds files; then exchange.distribute to the others):
 
     holders = layout.assign_holders([(f.name, f.writer, f.size) ...], readers, by_writer=...)
     held = read_files(storage, dir_url, files_to_read, file_records(manifest), pool)  # verified as read
-    dests, finish = destinations(index, names, templates)  # where each wanted tensor goes
+    dests, finish = destinations(index, names, templates)  # where each wanted tensor goes (place)
     exchange.distribute(index, holders, held, dests, rank, transport)  # the tensors stored once
     restore_rank_values(held[own file][after its pieces:], ...)  # this rank's own values (same world size)
     finish()
@@ -198,25 +198,35 @@ def tensor_paths(index: Index, names: Iterable[str]) -> dict[int, Path]:
 def destinations(
     index: Index, names: Iterable[str], templates: Mapping[str, Any]
 ) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
-    """Where each replicated tensor under ``names`` is loaded: the template's own tensor at the same
-    path (loaded in place) or, where the template has none, a new CPU tensor.
+    """Where each replicated tensor under ``names`` is loaded (see :func:`place`)."""
+    return place(tensor_paths(index, names), index.tensors, templates)
+
+
+def place(
+    paths: Mapping[int, Path], specs: Sequence[TensorSpec], templates: Mapping[str, Any], *,
+    where: str = "in the checkpoint", end: str = ".",
+) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:  # fmt: skip
+    """The placement rule of a restore, durable or from node memory: where each saved tensor
+    ``i`` (``paths[i]`` its path, ``specs[i]`` its dtype and shape) is loaded -- the template's own
+    tensor at the same path (loaded in place) or, where the template has none, a new CPU tensor.
 
     Returns the destinations and a ``finish()`` to call after they are filled (it copies into
     templates that are not contiguous). Raises :class:`TreeError` naming a tensor whose dtype or
-    shape differs between the checkpoint and the template.
+    shape differs between the saved state (``where``: "in the checkpoint", "in node memory") and the
+    template; ``end`` closes that message.
     """
     dests: dict[int, torch.Tensor] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for i, path in tensor_paths(index, names).items():
-        spec = index.tensors[i]
+    for i, path in paths.items():
+        spec = specs[i]
         target = leaf(templates[path[0]], path[1:])
         if not isinstance(target, torch.Tensor):
             dests[i] = torch.empty(spec.shape, dtype=spec.dtype)
             continue
         if target.dtype != spec.dtype or tuple(target.shape) != spec.shape:
             raise TreeError(
-                f"{path_text(path)!r} is {spec.dtype} of shape {list(spec.shape)} in the checkpoint but "
-                f"{target.dtype} of shape {list(target.shape)} here."
+                f"{path_text(path)!r} is {spec.dtype} of shape {list(spec.shape)} {where} but "
+                f"{target.dtype} of shape {list(target.shape)} here{end}"
             )
         if target.is_contiguous():
             dests[i] = target.detach()

@@ -28,9 +28,9 @@ __all__ = ["Candidate", "Choice", "background_cost", "choose_resume", "interval"
 # Never wait longer than this many steps between memory saves, whatever the measurements say: a
 # budget that asks for more means the tier is too slow to be worth it, and the durable tier rules.
 MAX_INTERVAL = 1000
-# The budget is a ceiling, and a save's measured cost moves by ~15 % between runs of the same job
-# (7.4-10.4 ms a save on the CPU benchmark here): aiming at the budget itself would land above it
-# as often as below. The interval aims at this share of it.
+# The budget is a ceiling, and a save's measured cost moves between runs of the same job (by ~15 %
+# on the CPU benchmark; docs/memory-tier.md, "Measured here"): aiming at the budget itself would land
+# above it as often as below. The interval aims at this share of it.
 AIM = 0.8
 
 

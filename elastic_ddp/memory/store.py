@@ -21,7 +21,7 @@ rank. A part is committed when its record exists (written to a temporary name, t
 a state of step S in a slot is *complete* only when every part's record names step S and the same
 state digest and every part file has the recorded size. Contents are verified against their
 BLAKE3 checksum as they are read (:func:`read_part`), so a damaged byte is caught before it is used
-(BLAKE3, as in durable checkpoints: ~2.5x less CPU than SHA-256 beside training).
+(BLAKE3, as in durable checkpoints: less CPU than SHA-256 beside training; docs/checkpoints.md).
 
 Two slots: a save goes to the slot that does not hold the newest complete state, and a rank
 starts overwriting a slot only after the other slot is complete (every local rank finished the

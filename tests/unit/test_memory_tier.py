@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from elastic_ddp.memory import store as store_module
+from elastic_ddp.memory import survey as survey_module
 from elastic_ddp.memory import tier as tier_module
 from elastic_ddp.memory.copies import optimizer_storages
 from elastic_ddp.memory.policy import MAX_INTERVAL, MIN_SAVES, Candidate, background_cost, choose_resume, interval
@@ -377,7 +378,7 @@ def test_a_stops_commit_holds_its_step_whether_the_tier_saved_it_already_or_not(
 
 def test_a_restore_in_slices_smaller_than_its_parts_and_tensors_is_still_bitwise(tmp_path, monkeypatch):
     # A large state is sent in slices that cut through parts and tensors alike.
-    monkeypatch.setattr(tier_module, "BROADCAST_BYTES", 64)
+    monkeypatch.setattr(survey_module, "BROADCAST_BYTES", 64)
     saved, _ = make_state(1)
     expected = flat(saved)
     save_node(tmp_path, saved, step=7, local_world_size=2)
