@@ -124,9 +124,6 @@ class MemoryTier:
         False on every rank when a part failed verification (see :meth:`.survey.Resume.restore`)."""
         return self._resume.restore(survey, node, step, state)
 
-    def _slice_bytes(self) -> int:
-        return self._resume.slice_bytes()
-
     # ------------------------------------------------------------------------------------- save
 
     def after_step(self, step: int, state: Mapping[str, Any], agreed: tuple[float, ...] | None) -> None:
@@ -218,28 +215,6 @@ class MemoryTier:
     skipped_saves = property(lambda self: self._saver.skipped_saves, doc="Saves every rank skipped.")
     read_threads = property(lambda self: self._resume.read_threads, doc="Threads a part's checksum uses at a restore.")
     write_threads = property(lambda self: self._saver.writer.threads, doc="Threads a part's checksum uses at a save.")
-    _local_failure = property(lambda self: self._saver.local_failure, doc="This rank's failed save, if any.")
-
-    @property
-    def timeout_s(self) -> float:
-        """How long a save waits for the node's other ranks to finish the previous one."""
-        return self._saver.writer.timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, value: float) -> None:
-        self._saver.writer.timeout_s = value
-
-    @property
-    def _pool(self) -> Any:
-        return self._saver.writer.pool
-
-    @property
-    def _pending(self) -> Any:
-        return self._saver.writer.pending
-
-    @_pending.setter
-    def _pending(self, future: Any) -> None:
-        self._saver.writer.pending = future
 
     # --------------------------------------------------------------------------------- teardown
 

@@ -242,7 +242,7 @@ def test_a_save_waits_for_the_nodes_other_ranks_before_overwriting_their_last_co
     t = [tier(tmp_path, local_rank=r, local_world_size=2) for r in range(2)]
     for x in t:
         x.survey(state, fresh=False)
-        x.timeout_s = 0.3
+        x._saver.writer.timeout_s = 0.3
     t[0].save(1, state)
     t[1].save(1, state)
     assert t[0]._wait_writer() and t[1]._wait_writer()
@@ -251,7 +251,7 @@ def test_a_save_waits_for_the_nodes_other_ranks_before_overwriting_their_last_co
     # Rank 1 never saved step 2, so rank 0 must not overwrite the slot of step 1 with step 3.
     t[0].save(3, state)
     assert not t[0]._wait_writer()
-    assert "did not finish the memory-tier save of step 2" in t[0]._local_failure
+    assert "did not finish the memory-tier save of step 2" in t[0]._saver.local_failure
     assert t[0].report()[4] == 1.0  # said on the agreement; the tier stops where every rank reads it
     t[0].after_step(4, state, t[0].report())
     assert "did not finish the memory-tier save of step 2" in t[0].failed
@@ -384,7 +384,7 @@ def test_a_restore_in_slices_smaller_than_its_parts_and_tensors_is_still_bitwise
     save_node(tmp_path, saved, step=7, local_world_size=2)
     target, _ = make_state(2)
     reader = tier(tmp_path)
-    assert reader._slice_bytes() == 64
+    assert reader._resume.slice_bytes() == 64
     assert restore_newest(reader, target)
     got = flat(target)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
@@ -627,7 +627,7 @@ def test_the_interval_follows_recent_medians_not_one_slow_step_or_save(tmp_path,
     monkeypatch.setattr(MemoryTier, "cost_s", property(lambda self: next(costs)))
     for _ in range(11):
         t._wait_writer()
-        t._pending = t._pool.submit(lambda: None)
+        t._saver.writer.pending = t._saver.writer.pool.submit(lambda: None)
     assert t.report()[0] == pytest.approx(0.001)
     t.after_step(41, state, t.report()[:3] + (0.0, 0.0))
     assert t.interval == 1, t.interval_why  # 1 ms of 100 ms fits 2 %: the 3 s save did not space saves out
