@@ -30,6 +30,7 @@ import os
 import random
 import re
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -42,7 +43,8 @@ from elastic_ddp.checkpoint.manager import list_checkpoints, verify_checkpoint
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.data import exactly_once_problems, read_ledger
 from elastic_ddp.etcd_server import EtcdCluster
-from elastic_ddp.lm import ByteWindows, CorpusConfig, load_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # the LM recipe's recipes/lm/, as `lm`
+from lm import ByteWindows, CorpusConfig, load_corpus  # noqa: E402
 
 NAME = "soak"
 TITLE = "Soak: a seeded schedule of faults on 3 nodes through a 3-member etcd (recovery, steps redone, goodput)"

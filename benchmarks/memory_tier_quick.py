@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from elastic_ddp.lm import ByteGPT, ByteGPTConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # the LM recipe's recipes/lm/, as `lm`
+from lm import ByteGPT, ByteGPTConfig  # noqa: E402
 from elastic_ddp.memory.tier import MemoryTier
 from elastic_ddp.state import ModelState, OptimizerState
 

@@ -7,14 +7,17 @@ helper here takes the model and optimizer and does only its own I/O.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import fsspec
 import torch
 import torch.nn.functional as F
 
-from elastic_ddp.lm import ByteGPT, ByteGPTConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # the LM recipe's recipes/lm/, as `lm`
+from lm import ByteGPT, ByteGPTConfig  # noqa: E402
 
 
 @dataclass

@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_ddp.chaos import maybe_inject
+from elastic_ddp.faults import at_step
 from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
 from elastic_ddp.checkpoint.manifest import identity_digest
 from elastic_ddp.checkpoint.pretrained import InitFromError, load_pretrained, source_record
@@ -624,7 +624,7 @@ class Run:
         timing = _Timing(self.step)
         try:
             for batch in _timed(batches, timing, self._seed_step):
-                maybe_inject(batch.step, self.rank)  # chaos tests only; one dict lookup otherwise
+                at_step(batch.step, self.rank)  # fault-injection tests only; one dict lookup otherwise
                 step = Step(batch, self._ddp, self.device)
                 self._in_step = batch.step
                 yield step

@@ -26,7 +26,10 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 import elastic_ddp as edp
-from elastic_ddp.lm import (
+
+# The model and corpus live beside this file, in recipes/lm/: a script's own directory comes first
+# on sys.path.
+from lm import (
     ByteGPT, ByteGPTConfig, ByteWindows, CorpusConfig, corpus_fingerprint, load_corpus, optimizer_groups, warmup_cosine,
 )  # fmt: skip
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.etcd"]
+pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.etcd", "tests.fixtures.threads", "tests.fixtures.checkpoint"]
 
 # Rendezvous handlers made inside this process (the handler's and plugin's own tests) start no
 # workers, so they start no workers' template either (elastic_ddp.prestart). torchrun agents the

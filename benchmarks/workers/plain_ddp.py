@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from elastic_ddp.lm import ByteGPT, ByteGPTConfig, ByteWindows, CorpusConfig, load_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))  # the LM recipe's recipes/lm/, as `lm`
+from lm import ByteGPT, ByteGPTConfig, ByteWindows, CorpusConfig, load_corpus  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

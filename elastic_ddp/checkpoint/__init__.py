@@ -4,7 +4,6 @@ See docs/checkpoints.md for the layout, the commit protocol and the measured cos
 """
 
 from elastic_ddp.checkpoint.errors import CheckpointError, CheckpointVerificationError
-from elastic_ddp.checkpoint.faults import ENV_FAULT_POINT
 from elastic_ddp.checkpoint.fence import FENCE_NAME, StaleWriterError
 from elastic_ddp.checkpoint.index import INDEX_NAME
 from elastic_ddp.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_checkpoint, retention_plan, verify_checkpoint
@@ -14,7 +13,6 @@ from elastic_ddp.checkpoint.storage import Storage, StorageError
 
 __all__ = [
     "ENV_CHECKPOINT_KEY",
-    "ENV_FAULT_POINT",
     "FENCE_NAME",
     "INDEX_NAME",
     "MANIFEST_NAME",

@@ -8,6 +8,7 @@ rank fail". Without a process group (one process) every call is local.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,20 @@ import torch.distributed as dist
 
 from elastic_ddp.checkpoint.errors import CheckpointError, describe_error
 from elastic_ddp.checkpoint.fence import StaleWriterError
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What rank 0's call gave every rank: its ``value``, or the ``error`` it raised (never both)."""
+
+    value: Any = None
+    error: Exception | None = None
+
+    def unwrap(self) -> Any:
+        """The value; the error, raised, if the call failed."""
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def global_rank(group: Any, rank: int) -> int:
@@ -35,23 +50,21 @@ class Collectives:
         self.distributed = distributed
         self.url = url
 
-    def broadcast(self, fn: Callable[..., Any], *args: Any, raise_errors: bool = True) -> Any:
-        """Run ``fn(*args)`` on rank 0 and give its result to every rank.
+    def broadcast(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on rank 0 and give its result to every rank; if ``fn`` raises, every rank raises it."""
+        return self.attempt(fn, *args).unwrap()
 
-        If ``fn`` raises, every rank raises it (``raise_errors``) or gets the exception as the value.
-        """
-        value: Any = None
+    def attempt(self, fn: Callable[..., Any], *args: Any) -> Outcome:
+        """Run ``fn(*args)`` on rank 0 and give every rank the :class:`Outcome`: its value or its error."""
+        outcome = Outcome()
         if self.rank == 0:
             try:
-                value = fn(*args)
+                outcome = Outcome(value=fn(*args))
             except Exception as exc:  # shipped to every rank so all of them fail the same way
                 # Client exceptions may not pickle; a CheckpointError carrying the message always does.
                 keep = (CheckpointError, StaleWriterError)
-                value = exc if isinstance(exc, keep) else CheckpointError(describe_error(exc, self.url))
-        value = self.broadcast_from(0, value)
-        if isinstance(value, Exception) and raise_errors:
-            raise value
-        return value
+                outcome = Outcome(error=exc if isinstance(exc, keep) else CheckpointError(describe_error(exc, self.url)))
+        return self.broadcast_from(0, outcome)
 
     def broadcast_from(self, rank: int, value: Any) -> Any:
         """``value`` as rank ``rank`` has it, on every rank."""

@@ -38,6 +38,7 @@ Contracts:
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import importlib.metadata
 import json
 import logging
@@ -66,7 +67,6 @@ from elastic_ddp.checkpoint.catalog import (
 from elastic_ddp.checkpoint.collectives import Collectives, global_rank
 from elastic_ddp.checkpoint.errors import CheckpointError, CheckpointVerificationError, describe_error
 from elastic_ddp.checkpoint.exchange import Transport, distribute
-from elastic_ddp.checkpoint.faults import fault_point
 from elastic_ddp.checkpoint.layout import assign_holders
 from elastic_ddp.checkpoint.divergence import AllMax, all_max_over
 from elastic_ddp.checkpoint.sharded import (
@@ -86,6 +86,7 @@ from elastic_ddp.checkpoint.staging import ShareStager, Staged
 from elastic_ddp.checkpoint.storage import Storage, StorageError, join, normalize_url
 from elastic_ddp.checkpoint.tree import TreeError
 from elastic_ddp.config import CheckpointConfig
+from elastic_ddp.faults import at_point
 from elastic_ddp.state import Stateful, check_stateful, synced_paths
 
 log = logging.getLogger("elastic_ddp.checkpoint")
@@ -156,6 +157,30 @@ class _Save:
     staged: Staged
     start: float
     stall_s: float | None
+
+
+class _Preflight(enum.Enum):
+    """Rank 0's decision before a save: the step is already committed, or its directory is clear to write."""
+
+    COMMITTED = enum.auto()
+    WRITE = enum.auto()
+
+
+@dataclass(frozen=True)
+class _Commit:
+    """Rank 0's commit, told to every rank: the checkpoint's bytes, or why it refused to commit."""
+
+    nbytes: int = 0
+    refused: str | None = None
+
+
+@dataclass(frozen=True)
+class _Written:
+    """A save done: the checkpoint's bytes and this rank's, or nothing (the step was already committed)."""
+
+    nbytes: int = 0
+    written: int = 0
+    already_committed: bool = False
 
 
 @dataclass
@@ -325,7 +350,7 @@ class CheckpointManager:
 
     def _save_now(self, save: _Save) -> bool:
         try:
-            nbytes, written = self._write_and_commit(save)
+            done = self._write_and_commit(save)
         except Exception as exc:  # a failed save must never take training down; it is surfaced instead
             self.failed_saves += 1
             self.consecutive_failed_saves += 1
@@ -338,8 +363,9 @@ class CheckpointManager:
             return False
         self._last_ok = True
         self.consecutive_failed_saves = 0
-        if nbytes is None:
+        if done.already_committed:
             return True  # already committed by an earlier save of the same step
+        nbytes = done.nbytes
         elapsed = time.perf_counter() - save.start
         self.last_save = SaveStats(
             step=save.step,
@@ -348,7 +374,7 @@ class CheckpointManager:
             bytes=nbytes,
             throughput_bytes_per_s=nbytes / elapsed if elapsed > 0 else 0.0,
             staged_bytes=save.staged.staged_bytes,
-            written_bytes=written,
+            written_bytes=done.written,
         )
         log.info(
             "[%d/%d] Checkpoint committed at %s: %d bytes in %.2f s (training stalled %.3f s).",
@@ -363,23 +389,22 @@ class CheckpointManager:
                 self._after_commit(save.step)
         return True
 
-    def _write_and_commit(self, save: _Save) -> tuple[int | None, int]:
+    def _write_and_commit(self, save: _Save) -> _Written:
         # 1. Rank 0 decides whether to write, and clears a leftover of an interrupted save at this step.
-        decision = self._coll.broadcast(self._preflight, save.url)
-        if decision == "committed":
+        if self._coll.broadcast(self._preflight, save.url) is _Preflight.COMMITTED:
             log.warning("[%d/%d] %s is already committed; not saving it again.", self.rank, save.step, save.url)
-            return None, 0
-        fault_point("before_write", self.rank)
+            return _Written(already_committed=True)
+        at_point("before_write", self.rank)
         # 2. Every rank writes its own files, hashing them on the way; failures go into the report.
         report = self._write_files(save)
-        fault_point("after_write", self.rank)
+        at_point("after_write", self.rank)
         # 3. Rank 0 collects the reports (O(N) in all, not an all-gather), writes index.json and the
         #    manifest (the commit point) if every report is complete, and tells everyone how it went.
         reports = self._coll.gather(report)
-        outcome = self._coll.broadcast(self._commit, save, reports)
-        if isinstance(outcome, str):
-            raise CheckpointError(outcome)
-        return int(outcome), sum(f.size for f in report.files)
+        commit = self._coll.broadcast(self._commit, save, reports)
+        if commit.refused is not None:
+            raise CheckpointError(commit.refused)
+        return _Written(commit.nbytes, sum(f.size for f in report.files))
 
     def _write_files(self, save: _Save) -> _Report:
         report = _Report(self.rank, [], save.job.rank_file, save.job.rank_entry, save.snap.digest)
@@ -402,10 +427,10 @@ class CheckpointManager:
             log.error("[%d/-] %s", self.rank, exc)
             raise
 
-    def _preflight(self, ckpt_url: str) -> str:
+    def _preflight(self, ckpt_url: str) -> _Preflight:
         manifest_url = join(ckpt_url, mf.MANIFEST_NAME)
         if self.storage.exists(manifest_url) and ckpt_url not in self._failed_verification:
-            return "committed"
+            return _Preflight.COMMITTED
         self._check_fence(f"clear {ckpt_url} for a new save")
         if ckpt_url in self._failed_verification:
             # The run resumed from an older checkpoint because this one is damaged; training has
@@ -414,24 +439,25 @@ class CheckpointManager:
             self.storage.remove_file(manifest_url)
             self._failed_verification.discard(ckpt_url)
         self.storage.remove_tree(ckpt_url)
-        return "write"
+        return _Preflight.WRITE
 
-    def _commit(self, save: _Save, reports: list[_Report]) -> int | str:
+    def _commit(self, save: _Save, reports: list[_Report]) -> _Commit:
         errors = [r.error for r in reports if r.error]
         if errors:
-            return "; ".join(errors)
+            return _Commit(refused="; ".join(errors))
         differ = [r.rank for r in reports if r.digest != save.snap.digest]
         if differ:
-            return (
+            return _Commit(refused=(
                 f"ranks {differ} saved state whose names, dtypes, shapes or per-rank parts differ from rank 0's; "
                 "every rank must save the same objects under the same names."
-            )
+            ))  # fmt: skip
         rank_states = {r.rank: (r.rank_file, r.rank_entry) for r in reports if r.rank_entry is not None}
         index = ix.build(save.snap.specs, save.snap.state, save.job.layout.files, rank_states, save.snap.per_rank)
         written = {f.name: f for r in reports for f in r.files}
         expected = {f.name: f.size for f in index.files}
         if {name: f.size for name, f in written.items()} != expected:
-            return f"the ranks' file reports {sorted(written)} do not match the planned files {sorted(expected)}."
+            planned = sorted(expected)
+            return _Commit(refused=f"the ranks' file reports {sorted(written)} do not match the planned files {planned}.")
         data = index.to_bytes()
         self.storage.write_bytes_atomic(join(save.url, ix.INDEX_NAME), data)
         manifest = mf.build(
@@ -446,13 +472,13 @@ class CheckpointManager:
         )
         # index.json was renamed into place and its directory fsync'd after every data file was
         # created and fsync'd, so every file of the checkpoint is durable before the manifest exists.
-        fault_point("before_manifest", self.rank)
+        at_point("before_manifest", self.rank)
         self._check_fence(f"commit {save.url}")
         self.storage.write_bytes_atomic(
             join(save.url, mf.MANIFEST_NAME), json.dumps(manifest, sort_keys=True, indent=1).encode()
         )
-        fault_point("after_manifest", self.rank)
-        return manifest["bytes"]
+        at_point("after_manifest", self.rank)
+        return _Commit(nbytes=int(manifest["bytes"]))
 
     def _owns_run(self, action: str, step: int) -> bool:
         """Whether this group may still clean up (the fence names its round); logs why not."""
@@ -532,10 +558,10 @@ class CheckpointManager:
         Raises :class:`CheckpointError` on every rank when listing fails.
         """
         self.wait()
-        committed = self._coll.broadcast(self.list, raise_errors=False)
-        if isinstance(committed, Exception):
-            raise CheckpointError(f"Listing checkpoints under {self.url!r} failed: {committed}") from committed
-        return committed
+        listed = self._coll.attempt(self.list)
+        if listed.error is not None:
+            raise CheckpointError(f"Listing checkpoints under {self.url!r} failed: {listed.error}") from listed.error
+        return listed.value
 
     def remove_all(self) -> None:
         """Delete every committed checkpoint under the URL, each manifest first (collective; rank 0 deletes).
@@ -612,9 +638,10 @@ class CheckpointManager:
             return self.latest()
         ckpt_url = join(self.url, step_dir_name(int(resume))) if resume.isdigit() else normalize_url(resume)
         self.wait()
-        info = self._coll.broadcast(read_checkpoint, self._storage_for(ckpt_url), ckpt_url, raise_errors=False)
-        if isinstance(info, Exception):
-            raise CheckpointError(f"checkpoint.resume={resume!r}: {info}")
+        read = self._coll.attempt(read_checkpoint, self._storage_for(ckpt_url), ckpt_url)
+        if read.error is not None:
+            raise CheckpointError(f"checkpoint.resume={resume!r}: {read.error}")
+        info = read.value
         try:
             self._hold(info)
         except CheckpointVerificationError as exc:
@@ -635,11 +662,12 @@ class CheckpointManager:
         storage = self._storage_for(info.url)
         start = time.perf_counter()
         before = storage.bytes_read
-        index = self._coll.broadcast(read_index, storage, info, raise_errors=False)
-        if isinstance(index, Exception):
-            if isinstance(index, CheckpointVerificationError):
-                raise index
-            raise CheckpointVerificationError(str(index), ix.INDEX_NAME, f"reading failed: {index}")
+        read = self._coll.attempt(read_index, storage, info)
+        if isinstance(read.error, CheckpointVerificationError):
+            raise read.error
+        if read.error is not None:
+            raise CheckpointVerificationError(str(read.error), ix.INDEX_NAME, f"reading failed: {read.error}")
+        index = read.value
         same_size = info.world_size == self.world_size
         try:
             if same_size and index.has_per_rank and index.ranks() != list(range(self.world_size)):

@@ -41,9 +41,10 @@ def check_shared_storage(storage: Storage, coll: Collectives, *, reader: bool | 
         storage.write_bytes_atomic(join(storage.url, f"{PROBE_PREFIX}{token}"), token.encode())
         return token
 
-    token = coll.broadcast(write_probe, raise_errors=False)
-    if isinstance(token, Exception):
-        raise CheckpointError(f"Rank 0 could not write a probe file under checkpoint.url {storage.url!r}: {token}")
+    written = coll.attempt(write_probe)
+    if written.error is not None:
+        raise CheckpointError(f"Rank 0 could not write a probe file under checkpoint.url {storage.url!r}: {written.error}")
+    token = written.value
     probe = join(storage.url, f"{PROBE_PREFIX}{token}")
     problem = None
     if reader:

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.errors import CheckpointVerificationError
-from elastic_ddp.checkpoint.faults import fault_point
+from elastic_ddp.faults import at_point
 from elastic_ddp.checkpoint.storage import Storage, StorageError, basename
 
 CHUNK = 16 << 20
@@ -84,7 +84,7 @@ def write_file(
                     _write_all(stream, part)
                     size += len(part)
                     if fault_rank is not None:
-                        fault_point("mid_write", fault_rank)
+                        at_point("mid_write", fault_rank)
         return size, hasher.hexdigest()
     finally:
         hasher.close()

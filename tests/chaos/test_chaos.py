@@ -432,8 +432,7 @@ def test_partitioned_node_is_replaced_and_cannot_commit_as_a_stale_writer(job, l
             command_prefix=link.prefix_b(),
             torchrun_flags=[f"--local-addr={link.addr_b}"],
             extra_env={"GLOO_SOCKET_IFNAME": link.veth_b,
-                       "ELASTIC_DDP_CHECKPOINT_FAULT_POINT": f"before_manifest:0:wait={release}",
-                       "ELASTIC_DDP_FAULT": f"hang@{every + 1}:rank=0:restart=0"},
+                       "ELASTIC_DDP_FAULT": f"wait@before_manifest:rank=0:until={release},hang@{every + 1}:rank=0:restart=0"},
         )  # fmt: skip
         node_a = j.add_node(torchrun_flags=[f"--local-addr={link.addr_a}"], extra_env={"GLOO_SOCKET_IFNAME": link.veth_a})
         j.wait_until(lambda: "holding this save" in node_b.output(), 180, "B to hold its save of step 10")

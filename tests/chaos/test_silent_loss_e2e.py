@@ -162,7 +162,7 @@ def test_repeated_sigterms_to_the_worker_process_group_do_not_kill_the_stop_chec
     release = tmp_path / "release"
     job = Job(etcd_endpoint, tmp_path, nnodes="1", recipe=CLASSIFIER,
               flags=["--train.max_steps=100000", "--checkpoint.every_steps=0"],
-              extra_env={"ELASTIC_DDP_CHECKPOINT_FAULT_POINT": f"before_manifest:0:wait={release}"})  # fmt: skip
+              extra_env={"ELASTIC_DDP_FAULT": f"wait@before_manifest:rank=0:until={release}"})  # fmt: skip
     try:
         node = job.add_node()
         job.wait_for_step(8)

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from lm import ByteWindows, CorpusConfig, load_corpus
 
 from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.data import LedgerStep, exactly_once_problems, read_ledger
-from elastic_ddp.lm import ByteWindows, CorpusConfig, load_corpus
 from tests.helpers.data import data_order
 from tests.helpers.job import Job, resumed_steps, steps
 

@@ -23,7 +23,7 @@ from elastic_ddp.checkpoint.errors import CheckpointVerificationError
 from elastic_ddp.checkpoint.sharded import read_state
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.state import ModelState
-from tests.unit.test_checkpoint_unit import Box, manager, run_checkpoint  # noqa: F401 - run_checkpoint is a fixture
+from tests.helpers.checkpoint import Box, manager
 
 OBJECTS = ["model", "optimizer", "scheduler", "ema", "raw_optimizer", "counter"]
 TENSOR_OBJECTS = ["model", "optimizer", "ema", "raw_optimizer"]  # 'scheduler' and 'counter' hold plain values only

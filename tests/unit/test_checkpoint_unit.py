@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -10,7 +9,6 @@ import pickle
 import re
 import threading
 import uuid
-from types import SimpleNamespace
 
 import blake3
 import pytest
@@ -18,10 +16,8 @@ import torch
 
 from elastic_ddp.checkpoint import (
     ENV_CHECKPOINT_KEY,
-    ENV_FAULT_POINT,
     FENCE_NAME,
     CheckpointError,
-    CheckpointInfo,
     CheckpointManager,
     StaleWriterError,
     retention_plan,
@@ -29,62 +25,10 @@ from elastic_ddp.checkpoint import (
 from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.staging import ShareStager
-from elastic_ddp.config import CheckpointConfig
+from elastic_ddp.faults import ENV_FAULT
 from elastic_ddp.state import ModelState, OptimizerState
+from tests.helpers.checkpoint import Box, assert_same, clone_state, manager, objects, tiny, train
 from tests.helpers.nodes import wait_for
-
-IDENTITY = {"model.n_layer": 2, "model.n_embd": 8}
-
-
-def manager(url: str, identity: dict | None = None, rdzv_round: int | None = None, **cfg) -> CheckpointManager:
-    return CheckpointManager(CheckpointConfig(url=url, **cfg), identity=identity or IDENTITY, rdzv_round=rdzv_round)
-
-
-class Box:
-    """A user's own stateful object: any picklable-free values."""
-
-    def __init__(self, **values) -> None:
-        self.values = dict(values)
-
-    def state_dict(self) -> dict:
-        return dict(self.values)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.values = dict(state)
-
-
-def objects(model: torch.nn.Module, opt: torch.optim.Optimizer, **more) -> dict:
-    return {"model": ModelState(model), "optim": OptimizerState(model, opt), **more}
-
-
-def tiny(seed: int = 0, width: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, opt)
-    return model, opt
-
-
-def train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    opt.zero_grad()
-    model(torch.randn(3, model[0].in_features)).pow(2).mean().backward()
-    opt.step()
-
-
-def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    msd = {k: v.clone() for k, v in model.state_dict().items()}
-    osd = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
-    return msd, osd
-
-
-def assert_same(model: torch.nn.Module, opt: torch.optim.Optimizer, expected: tuple[dict, dict]) -> None:
-    msd, osd = expected
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, msd[key]), key
-    for index, state in opt.state_dict()["state"].items():
-        for key, value in state.items():
-            assert torch.equal(value, osd[index][key]), (index, key)
-
 
 @pytest.fixture
 def mem_url() -> str:
@@ -491,35 +435,6 @@ def _same_tree(got, want, where: str = "") -> None:
         assert type(got) is type(want) and got == want, where
 
 
-@pytest.fixture
-def run_checkpoint(tmp_path):
-    """A checkpoint of what a run registers: the model and AdamW (stepped) through their adapters, a
-    scheduler, an EMA ``AveragedModel`` as run.setup() takes it (``as_stateful``), the optimizer as
-    is (int keys, tuple betas) and a user object; with what each object's state dict was."""
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-    from elastic_ddp.state import as_stateful
-
-    model, opt = tiny()
-    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    for _ in range(2):
-        train(model, opt)
-        scheduler.step()
-        ema.update_parameters(model)
-    counter = Box(seen={3: (1, 2.5), 7: ("a", None)}, total=10, flags=[True, False])
-    state = {
-        "model": ModelState(model), "optimizer": OptimizerState(model, opt), "scheduler": scheduler,
-        "ema": as_stateful("ema", ema), "raw_optimizer": opt, "counter": counter,
-    }  # fmt: skip
-    mgr = manager(str(tmp_path / "c"))
-    assert mgr.save(5, state, blocking=True) and mgr.wait()
-    saved = {name: copy.deepcopy(obj.state_dict()) for name, obj in state.items()}
-    assert isinstance(saved["ema"], dict) and "n_averaged" in saved["ema"]
-    assert 0 in saved["raw_optimizer"]["state"] and isinstance(saved["raw_optimizer"]["param_groups"][0]["betas"], tuple)
-    return SimpleNamespace(url=mgr.latest().url, saved=saved, model=model, ema=ema)
-
-
 @pytest.mark.parametrize("name", [None, "ema", "optimizer", "raw_optimizer", "scheduler", "counter"])
 def test_export_writes_one_object_as_a_weights_only_file_equal_to_what_was_saved(run_checkpoint, tmp_path, name, capsys) -> None:
     out = tmp_path / "out.pt"
@@ -615,7 +530,7 @@ def test_a_writer_held_before_its_commit_while_a_newer_group_claims_the_run_does
     root, release = tmp_path / "ckpts", tmp_path / "release"
     model, opt = tiny()
     stale = manager(str(root), rdzv_round=0)
-    monkeypatch.setenv(ENV_FAULT_POINT, f"before_manifest:0:wait={release}")
+    monkeypatch.setenv(ENV_FAULT, f"wait@before_manifest:rank=0:until={release}")
     stale.save(5, objects(model, opt))  # async: held in the background before the manifest
     wait_for(lambda: (root / "step-000000005" / "index.json").exists(), 30, what="the files of step 5")
     manager(str(root), rdzv_round=1)
@@ -639,7 +554,7 @@ def test_a_stale_group_whose_save_fails_leaves_the_new_groups_directory_alone(tm
     stale = manager(str(root), rdzv_round=0)
     cleared = root / "step-000000005"
     cleared.mkdir()
-    monkeypatch.setenv(ENV_FAULT_POINT, f"before_write:0:wait={release}")
+    monkeypatch.setenv(ENV_FAULT, f"wait@before_write:rank=0:until={release}")
     stale.save(5, objects(model, opt))  # async: clears the directory, then is held before writing
     wait_for(lambda: not cleared.exists(), 30, what="the stale group's preflight")
     # Meanwhile the job re-formed without it; the new group is saving the same step. Its file is
@@ -658,7 +573,7 @@ def test_a_stale_group_that_commits_before_a_takeover_skips_retention_and_the_le
     model, opt = tiny()
     stale = manager(str(root), rdzv_round=0, keep_last=1)
     save_steps(stale, model, opt, [1])
-    monkeypatch.setenv(ENV_FAULT_POINT, f"after_manifest:0:wait={release}")
+    monkeypatch.setenv(ENV_FAULT, f"wait@after_manifest:rank=0:until={release}")
     stale.save(5, objects(model, opt))  # committed, then held before its clean-up
     wait_for(lambda: (root / "step-000000005" / "manifest.json").exists(), 30, what="the commit of step 5")
     manager(str(root), rdzv_round=1)  # the new group resumed from step 1 and is saving step 2

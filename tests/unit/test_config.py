@@ -18,6 +18,7 @@ from typing import Annotated, ClassVar
 
 import pytest
 import yaml
+from lm import CorpusConfig
 from pydantic import Field, model_validator
 
 from elastic_ddp.config import (
@@ -33,9 +34,8 @@ from elastic_ddp.config import (
     identity_differences,
     load_config,
 )
-from elastic_ddp.lm import CorpusConfig
-
 REPO = Path(__file__).resolve().parents[2]
+
 SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"
 
 

@@ -35,13 +35,7 @@ from elastic_ddp.data import (
 from elastic_ddp.nn import SampleDropout
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: on shared CI cores, intra-op threads cost more in contention than they gain.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Datasets live at module level so that loader workers could also receive them by pickling.

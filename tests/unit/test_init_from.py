@@ -25,7 +25,7 @@ from elastic_ddp.checkpoint.catalog import list_checkpoints
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.config import Config, ConfigError, load_config
 from elastic_ddp.state import ModelState, as_stateful
-from tests.unit.test_checkpoint_unit import Box, manager
+from tests.helpers.checkpoint import Box, manager
 
 
 class Net(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""The byte-level language model of elastic_ddp.lm: ByteGPT's shapes, tying and per-sample dropout,
+"""The byte-level language model of recipes/lm/: ByteGPT's shapes, tying and per-sample dropout,
 its optimizer groups and schedule, a loss that falls on CPU, and the corpus -- read the same way from
 local folders and fsspec URLs, the same bytes in every process, cut into next-byte windows."""
 
@@ -9,16 +9,13 @@ import re
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import fsspec
 import pytest
 import torch
 import torch.nn.functional as F
-from pydantic import Field, ValidationError
-
-from elastic_ddp.config import Config, load_config
-from elastic_ddp.data import DataCursor, ElasticSampler, StepBatches, sample_seeds
-from elastic_ddp.lm import (
+from lm import (
     ByteGPT,
     ByteGPTConfig,
     ByteWindows,
@@ -29,17 +26,17 @@ from elastic_ddp.lm import (
     optimizer_groups,
     warmup_cosine,
 )
+from pydantic import Field, ValidationError
+
+from elastic_ddp.config import Config, load_config
+from elastic_ddp.data import DataCursor, ElasticSampler, StepBatches, sample_seeds
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 TINY = dict(block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: on shared CI cores, intra-op threads cost more in contention than they gain.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(dropout: float = 0.0, seed: int = 0) -> ByteGPT:
@@ -239,8 +236,10 @@ def test_default_corpus_is_the_stdlib_without_installed_packages():
     assert torch.equal(corpus, load_corpus(CorpusConfig(max_bytes=300_000)))
 
 
-_SUBPROCESS = """
-from elastic_ddp.lm import CorpusConfig, corpus_fingerprint, load_corpus
+_SUBPROCESS = f"""
+import sys
+sys.path.insert(0, {str(RECIPES)!r})
+from lm import CorpusConfig, corpus_fingerprint, load_corpus
 print(corpus_fingerprint(load_corpus(CorpusConfig(max_bytes=300_000))))
 """
 

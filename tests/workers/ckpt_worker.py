@@ -2,8 +2,8 @@
 
 save: train ``--steps`` steps, async-saving at each step in ``--save-at`` while training goes on
       (mutating the tensors right after each save() returns); rank 0 dumps the values of every
-      saved step to ``--dump`` for the loader to compare. ``--fault POINT:RANK`` arms the manager's
-      fault point for the save of step ``--fault-step`` only. Each rank prints how many bytes of the
+      saved step to ``--dump`` for the loader to compare. ``--fault FAULT`` (``ELASTIC_DDP_FAULT``'s
+      grammar, e.g. ``kill@mid_write:rank=1``) arms the fault for the save of step ``--fault-step`` only. Each rank prints how many bytes of the
       replicated state it staged: ``rank R staged S of T replicated bytes``. ``--hang RANK:STEP``
       makes that rank sleep where it would save that step (a rank that hangs, not one that dies).
 load: resolve ``--resume`` (default auto), load into a fresh model and optimizer, compare with the
@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic_ddp.checkpoint import ENV_FAULT_POINT, CheckpointError, CheckpointManager
+from elastic_ddp.checkpoint import CheckpointError, CheckpointManager
 from elastic_ddp.config import CheckpointConfig
+from elastic_ddp.faults import ENV_FAULT
 from elastic_ddp.state import ModelState, OptimizerState
 
 IDENTITY = {"worker": "ckpt_worker"}
@@ -143,7 +144,7 @@ def main() -> int:
                 if args.hang == f"{rank}:{step}":
                     time.sleep(3600)
                 if step == args.fault_step:
-                    os.environ[ENV_FAULT_POINT] = args.fault
+                    os.environ[ENV_FAULT] = args.fault
                 mine.values.fill_(own_value(rank, step))
                 mgr.save(step, objects(model, opt, Progress(step, world), mine), blocking=False)
                 expected[step] = snapshot(model, opt)
