@@ -1,8 +1,8 @@
 """The ``elastic-ddp`` console command: one subcommand per concern.
 
 ``etcd`` runs a local single-member etcd, ``ckpt`` lists, verifies and exports checkpoints,
-``tensorboard`` serves the runs' event files. Each subcommand lives next to the code it drives and
-registers itself through ``add_parser(subparsers)``.
+``tensorboard`` serves the runs' event files (:mod:`elastic_ddp.tensorboard_cli`). Each subcommand
+lives next to the code it drives and registers itself through ``add_parser(subparsers)``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from elastic_ddp import etcd_server, metrics
+from elastic_ddp import etcd_server, tensorboard_cli
 from elastic_ddp.checkpoint import cli as checkpoint_cli
 
 
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     etcd_server.add_parser(sub)
     checkpoint_cli.add_parser(sub)
-    metrics.add_parser(sub)
+    tensorboard_cli.add_parser(sub)
     return parser
 
 

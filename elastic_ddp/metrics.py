@@ -23,7 +23,6 @@ background thread of its own, which keeps only the newest record.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import datetime
 import glob
@@ -32,18 +31,16 @@ import logging
 import math
 import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import fsspec
-
+from elastic_ddp.checkpoint.storage import Storage, join
 from elastic_ddp.config import ConfigError, LoggingConfig
+from elastic_ddp.lifecycle import (  # noqa: F401 - the end states are also importable from here
+    ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_MEMBERSHIP, ENDED_STOPPED, ended_text,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +113,6 @@ def console_line(
     return " ".join(parts)
 
 
-# How an attempt ended, as the summary line and the progress record say it.
-ENDED_FINISHED = "finished"  # train.max_steps reached
-ENDED_EXIT_AT_STEP = "exited"  # train.exit_at_step reached
-ENDED_STOPPED = "stopped"  # this rank was asked to stop (preemption, Ctrl-C)
-ENDED_MEMBERSHIP = "paused"  # another node left or joined: this rank waits to be restarted
-_ENDED_TEXT = {
-    ENDED_FINISHED: "finished",
-    ENDED_EXIT_AT_STEP: "exited at train.exit_at_step (checkpoint committed)",
-    ENDED_STOPPED: "stopped on request (checkpoint committed)",
-    ENDED_MEMBERSHIP: "paused for a membership change (checkpoint committed; restarting)",
-}
-
-
 def summary_line(
     *,
     rank: int,
@@ -149,7 +133,7 @@ def summary_line(
     loss = "-" if final_loss is None else f"{final_loss:.4f}"
     steps = "-" if step is None else str(step)
     return (
-        f"[rank{rank}] {_ENDED_TEXT.get(ended, ended)}: steps={steps}/{max_steps} final_loss={loss} "
+        f"[rank{rank}] {ended_text(ended)}: steps={steps}/{max_steps} final_loss={loss} "
         f"wall={_format_duration(wall_s)} attempt_wall={_format_duration(attempt_wall_s)} "
         f"restarts={restarts}"
     )
@@ -207,15 +191,14 @@ class _ProgressRecord:
     """The run's progress record: read once at start, rewritten by a background thread.
 
     The record is ``{"step", "time", "world_size", "restart_count", "start_time", "attempts"}``
-    as JSON. Writes go to a temporary name and are then renamed over the record, so a reader
-    (the next attempt, perhaps on another machine) never sees half a file. Only the newest
+    as JSON, written with :meth:`~elastic_ddp.checkpoint.storage.Storage.write_bytes_atomic`, so a
+    reader (the next attempt, perhaps on another machine) never sees half a file. Only the newest
     pending record is kept: a slow store (S3) delays the record, never the training loop.
     """
 
     def __init__(self, run_dir: str, storage_options: Mapping[str, Any] | None) -> None:
-        self._fs, root = fsspec.core.url_to_fs(run_dir, **dict(storage_options or {}))
-        self._root = root.rstrip("/")
-        self.path = f"{self._root}/{PROGRESS_FILE}"
+        self._storage = Storage(run_dir, dict(storage_options or {}))
+        self.path = join(self._storage.url, PROGRESS_FILE)
         self._pending: dict[str, Any] | None = None
         self._cond = threading.Condition()
         self._closed = False
@@ -225,8 +208,7 @@ class _ProgressRecord:
     def read(self) -> dict[str, Any] | None:
         """The stored record, or None when there is none or it cannot be read (logged)."""
         try:
-            with self._fs.open(self.path, "rb") as handle:
-                record = json.loads(handle.read())
+            record = json.loads(self._storage.read_bytes(self.path))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
@@ -263,11 +245,9 @@ class _ProgressRecord:
                 return
 
     def _write(self, record: dict[str, Any]) -> None:
-        tmp = f"{self._root}/.{PROGRESS_FILE}.{uuid.uuid4().hex}.tmp"
         try:
-            self._fs.makedirs(self._root, exist_ok=True)
-            self._fs.pipe_file(tmp, json.dumps(record).encode())
-            self._fs.mv(tmp, self.path)
+            self._storage.makedirs(self._storage.url)
+            self._storage.write_bytes_atomic(self.path, json.dumps(record).encode())
         except OSError as exc:
             # The record only feeds recovery_s and the world-size event of the next attempt;
             # losing one write must not stop training, and the next log retries.
@@ -561,91 +541,3 @@ def create_metrics(
         storage_options=storage_options,
         clock=clock,
     )
-
-
-def tensorboard_command(args: argparse.Namespace) -> list[str]:
-    """The command line that serves ``args.runs`` with TensorBoard (the installed package)."""
-    return [
-        sys.executable,
-        "-m",
-        "tensorboard.main",
-        "--logdir",
-        args.runs,
-        "--port",
-        str(args.port),
-        "--host",
-        args.host,
-    ]
-
-
-# Signals that stop `elastic-ddp tensorboard`; each is passed on to the TensorBoard child.
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# How long TensorBoard may take to exit after a passed-on signal before it is killed.
-_TENSORBOARD_STOP_S = 10.0
-
-
-def _run_tensorboard(args: argparse.Namespace) -> int:
-    """Serve ``args.runs`` with a TensorBoard child until it exits or this process is signalled.
-
-    SIGINT, SIGTERM and SIGHUP are passed on to TensorBoard, which is killed if it has not exited
-    :data:`_TENSORBOARD_STOP_S` seconds later, so stopping this command never leaves a server
-    running on its own. Returns TensorBoard's exit status, or 128 + the signal number when stopped
-    by a signal (the shell's convention).
-    """
-    command = tensorboard_command(args)
-    received: list[int] = []
-    child: subprocess.Popen | None = None
-    killer: threading.Timer | None = None
-
-    def stop(signum: int, frame: object) -> None:
-        nonlocal killer
-        received.append(signum)
-        if child is None:
-            return  # not started yet: passed on right after the start
-        child.send_signal(signum)
-        if killer is None:
-            killer = threading.Timer(_TENSORBOARD_STOP_S, child.kill)
-            killer.daemon = True
-            killer.start()
-
-    # Handlers first, so no signal can arrive between the child's start and them.
-    previous = {signum: signal.signal(signum, stop) for signum in _STOP_SIGNALS}
-    try:
-        print(f"Serving {args.runs} at http://{args.host}:{args.port}/ (Ctrl-C stops)", flush=True)
-        # A session of its own: a terminal's Ctrl-C reaches only this process, so TensorBoard gets
-        # each signal exactly once, from here.
-        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
-        if received:
-            stop(received.pop(), None)
-        code = child.wait()
-    finally:
-        if child is not None and child.poll() is None:  # this process is failing: take TensorBoard along
-            child.kill()
-            child.wait()
-        if killer is not None:
-            killer.cancel()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    return 128 + received[0] if received else code
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``elastic-ddp tensorboard [--runs DIR] [--port N] [--host H]``.
-
-    ``subparsers`` is what ``ArgumentParser.add_subparsers()`` returned; the command is run as
-    ``args.func(args)`` and returns TensorBoard's exit status.
-    """
-    parser = subparsers.add_parser(
-        "tensorboard",
-        help="Serve the runs' TensorBoard logs.",
-        description="Start TensorBoard on a directory of runs (each run's tensorboard/ becomes a run).",
-    )
-    parser.add_argument("--runs", default="runs", help="Directory holding the runs (default: runs).")
-    parser.add_argument("--port", type=int, default=6006, help="Port to serve on (default: 6006).")
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="Address to bind (default: 127.0.0.1; use 0.0.0.0 to reach it from other machines).",
-    )
-    parser.set_defaults(func=_run_tensorboard)
-    return parser

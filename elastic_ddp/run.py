@@ -58,6 +58,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
@@ -68,8 +69,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_ddp.faults import at_step
 from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
 from elastic_ddp.checkpoint.manifest import identity_digest
-from elastic_ddp.checkpoint.pretrained import InitFromError, load_pretrained, source_record
-from elastic_ddp.config import Config, ConfigError, identity_differences, load_config
+from elastic_ddp.config import Config, ConfigError, load_config
 from elastic_ddp.ddp_buckets import stabilize_buckets
 from elastic_ddp.data import (
     ORDER_VERSION, DataCursor, ElasticSampler, MicroBatch, StepBatch, StepBatches, StepLedger, check_dataset,
@@ -77,16 +77,18 @@ from elastic_ddp.data import (
 )  # fmt: skip
 from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo_group, shutdown_distributed
 from elastic_ddp.failures import FailureReport, RecurringFailureError
-from elastic_ddp.logs import configure_logging
-from elastic_ddp.memory.policy import choose_resume
-from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier, MemoryTierError, Survey
-from elastic_ddp.metrics import (
-    ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_MEMBERSHIP, ENDED_STOPPED, Metrics, create_metrics,
+from elastic_ddp.lifecycle import (
+    ENDED_EXIT_AT_STEP, ENDED_FINISHED, RunError, check_ended, end_ended, exit_status, frees_memory, loop_end,
+    stop_ended, stop_event, stopped,
 )  # fmt: skip
+from elastic_ddp.logs import configure_logging
+from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier
+from elastic_ddp.metrics import Metrics, create_metrics
+from elastic_ddp.resume import Resumed, init_from, record_resume, resume
 from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful
+from elastic_ddp.step_metrics import StepMetrics, timed
 from elastic_ddp.stop import (
     EXIT_CONFIG, EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, flush_and_exit, report_settings_error,
-    wait_for_restart,
 )  # fmt: skip
 
 __all__ = ["Run", "RunError", "Step", "launch"]
@@ -95,10 +97,6 @@ log = logging.getLogger(__name__)
 
 # Names the run gives the objects it registers itself; a script's own objects take other names.
 MODEL, OPTIMIZER, SCHEDULER, DATA = "model", "optimizer", "scheduler", "data"
-
-
-class RunError(RuntimeError):
-    """The protocol cannot go on without losing or mixing work; the message says what and what to do."""
 
 
 def seed_everything(seed: int) -> None:
@@ -252,13 +250,28 @@ class Step:
         return out
 
 
+@dataclass
+class _Session:
+    """What :meth:`Run.setup` built, together: the objects the loop and the teardown work with."""
+
+    ddp: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    state: dict[str, Stateful]  # every registered object, by name
+    checkpoints: CheckpointManager
+    memory: MemoryTier | None  # None: the memory tier is off
+    metrics: Metrics
+    resumed: Resumed
+    memory_off: str | None = None  # why the memory tier stopped during the loop (reported once)
+
+
 class Run:
     """One worker's part of an elastic job (see the module docstring). Made by :func:`launch`.
 
     Attributes: ``cfg`` (the settings), ``rank``, ``world_size``, ``local_rank``, ``device``,
     ``is_main``, ``step`` (optimizer steps completed), ``resumed_from`` (the durable checkpoint this
     attempt started from, or None), ``resumed_tier`` (``"memory"``, ``"durable"`` or None: where this
-    attempt's state came from).
+    attempt's state came from), ``ended`` (how the loop ended, an ``ENDED_*`` value of
+    :mod:`elastic_ddp.lifecycle`; None until it did).
     """
 
     def __init__(self, cfg: Config, stop_signal: StopSignal) -> None:
@@ -273,22 +286,10 @@ class Run:
             max_restarts=int(os.environ.get(ENV_MAX_RESTARTS, "0")),
         )  # fmt: skip
         self.step = 0
-        self.resumed_from: CheckpointInfo | None = None
-        self._state: dict[str, Stateful] | None = None
         self._data = DataState()
-        self._ddp: DistributedDataParallel | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._checkpoints: CheckpointManager | None = None
-        self._memory: MemoryTier | None = None
-        self._resume_source: str | None = None
-        self._newest_durable: CheckpointInfo | None = None
-        self._init_event: str | None = None
-        self.resumed_tier: str | None = None
-        self._steps_redone: int | None = None
-        self._memory_off: str | None = None
-        self._metrics: Metrics = Metrics(cfg.logging, max_steps=cfg.train.max_steps)
-        self._looped = False
-        self._in_step = 0
+        self._session: _Session | None = None  # set by setup()
+        self._events: list[str] = []  # events before the metrics exist; recorded once they do
+        self._in_step: int | None = None  # the step the loop is in; None until run.steps() is called
         self.ended: str | None = None
 
     # ------------------------------------------------------------------------------ where we are
@@ -314,6 +315,16 @@ class Run:
     def is_main(self) -> bool:
         return self._ctx.rank == 0
 
+    @property
+    def resumed_from(self) -> CheckpointInfo | None:
+        """The durable checkpoint this attempt started from, or None."""
+        return self._session.resumed.checkpoint if self._session is not None else None
+
+    @property
+    def resumed_tier(self) -> str | None:
+        """Where this attempt's state came from: ``"memory"``, ``"durable"`` or None."""
+        return self._session.resumed.tier if self._session is not None else None
+
     # ------------------------------------------------------------------------------------- setup
 
     def setup(
@@ -336,7 +347,7 @@ class Run:
         the model's weights come from ``checkpoint.init_from`` if set (a resume always wins). ``ddp_kwargs`` go to
         ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``). Collective; call once.
         """
-        if self._state is not None:
+        if self._session is not None:
             raise RunError("run.setup() was already called; call it once, after building model and optimizer.")
         where = {p.device for p in model.parameters()}
         if where and where != {self.device}:
@@ -344,6 +355,58 @@ class Run:
                 f"The model's parameters are on {sorted(str(d) for d in where)}, but this rank trains on "
                 f"{self.device}: call model.to(run.device) before run.setup()."
             )
+        objects = self._register(model, optimizer, scheduler, state)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids, **dict(ddp_kwargs or {}))
+        if self.cfg.dist.stable_buckets:
+            stabilize_buckets(ddp)  # bitwise same-size resume at 3+ ranks: one reduction layout
+        # The shared-storage proof runs here, once, on every rank (at any world size) before anything
+        # reads or writes checkpoints: the manager's own check at construction is left to this call.
+        checkpoints = CheckpointManager(
+            self.cfg.checkpoint, identity=self.cfg.identity(), rdzv_round=self._ctx.rdzv_round, check_storage=False
+        )
+        checkpoints.check_shared_storage()
+        memory = self._memory_tier(checkpoints.url)
+        fresh_optimizer = not optimizer.state
+        resumed = resume(self.cfg, checkpoints, memory, objects, rank=self.rank)
+        self.step = resumed.step
+        if memory is not None and memory.disabled:
+            self._events.append(memory.disabled)  # off for this attempt's saves (resume() closed it)
+            memory = None
+        try:
+            checkpoints.init_from, init_event = init_from(
+                self.cfg, resumed, objects, objects[MODEL], rank=self.rank, world_size=self.world_size,
+                device=self.device, control_group=self._control,
+            )  # fmt: skip
+        except ConfigError as exc:
+            _exit_on_settings_error(exc)
+        if init_event:
+            self._events.append(init_event)
+        if resumed.tier is None and fresh_optimizer:
+            # Sizing the state (the memory tier's survey, a load's templates) makes torch allocate an
+            # unstepped optimizer's state with a zero-gradient step; kept, it would count as a step
+            # (Adam's bias correction) and this run would differ from one that never asked.
+            optimizer.state.clear()
+        metrics = create_metrics(
+            self.cfg.logging, rank=self.rank, run_dir=self.cfg.run.dir,
+            resume_step=self.step if resumed.tier is not None else None,
+            world_size=self.world_size, restart_count=self._ctx.restart_count, max_steps=self.cfg.train.max_steps,
+            storage_options=self.cfg.checkpoint.storage_options,
+        )  # fmt: skip
+        metrics.log_config(self.cfg.to_yaml())
+        for text in self._events:
+            metrics.event(text)
+        self._events.clear()
+        if resumed.tier is not None:
+            resumed = record_resume(resumed, metrics, self.failures, is_main=self.is_main, world_size=self.world_size)
+        self._session = _Session(ddp, optimizer, objects, checkpoints, memory, metrics, resumed)
+        return ddp
+
+    def _register(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful | None,
+        state: Mapping[str, Stateful],
+    ) -> dict[str, Stateful]:  # fmt: skip
+        """Everything a checkpoint holds, by name: the run's own objects and the script's."""
         # DDP keeps the model's trainable parameters and the optimizer's state the same on every rank:
         # a save need not compare those across ranks (everything else it does).
         objects: dict[str, Stateful] = {
@@ -356,41 +419,9 @@ class Run:
                 raise RunError(f"The state name {name!r} is the run's own; give the object another name.")
             objects[name] = _registered(name, obj)
         objects[DATA] = self._data
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self._ddp = DistributedDataParallel(model, device_ids=device_ids, **dict(ddp_kwargs or {}))
-        if self.cfg.dist.stable_buckets:
-            stabilize_buckets(self._ddp)  # bitwise same-size resume at 3+ ranks: one reduction layout
-        self._optimizer = optimizer
-        self._state = objects
-        self._checkpoints = CheckpointManager(
-            self.cfg.checkpoint, identity=self.cfg.identity(), rdzv_round=self._ctx.rdzv_round
-        )
-        self._checkpoints.check_shared_storage()
-        self._memory = self._memory_tier()
-        fresh_optimizer = not optimizer.state
-        self._resume()
-        self._checkpoints.init_from = self._init_from()
-        if self.resumed_tier is None and fresh_optimizer:
-            # Sizing the state (the memory tier's survey, a load's templates) makes torch allocate an
-            # unstepped optimizer's state with a zero-gradient step; kept, it would count as a step
-            # (Adam's bias correction) and this run would differ from one that never asked.
-            optimizer.state.clear()
-        self._metrics = create_metrics(
-            self.cfg.logging, rank=self.rank, run_dir=self.cfg.run.dir,
-            resume_step=self.step if self.resumed_tier is not None else None,
-            world_size=self.world_size, restart_count=self._ctx.restart_count, max_steps=self.cfg.train.max_steps,
-            storage_options=self.cfg.checkpoint.storage_options,
-        )  # fmt: skip
-        self._metrics.log_config(self.cfg.to_yaml())
-        if self._memory_off:
-            self._metrics.event(self._memory_off)
-        if self._init_event:
-            self._metrics.event(self._init_event)
-        if self.resumed_tier is not None:
-            self._record_resume()
-        return self._ddp
+        return objects
 
-    def _memory_tier(self) -> MemoryTier | None:
+    def _memory_tier(self, checkpoint_url: str) -> MemoryTier | None:
         cfg = self.cfg.checkpoint
         if cfg.memory_overhead <= 0:
             return None
@@ -399,177 +430,10 @@ class Run:
             required=cfg.memory_asked,
             timeout_s=cfg.timeout_s, run_name=self.cfg.run.name,
             # Named from the identity *and* the durable location: two runs of one name elsewhere never meet.
-            identity_digest=identity_digest({**self.cfg.identity(), "checkpoint.url": self._checkpoints.url}),
+            identity_digest=identity_digest({**self.cfg.identity(), "checkpoint.url": checkpoint_url}),
             rank=self.rank, local_rank=self.local_rank, local_world_size=self._ctx.local_world_size,
             node=self._ctx.node_rank, device=self.device, control_group=self._control, world_size=self.world_size,
         )  # fmt: skip
-
-    def _resume(self) -> None:
-        """Resume from the newest state anywhere: a node's memory tier or the durable checkpoints."""
-        memory, automatic = self._memory, self.cfg.checkpoint.resume.strip() == "auto"
-        survey = None
-        if memory is not None:
-            try:
-                # Only an automatic resume may take node memory; any other start forgets it.
-                survey = memory.survey(self._state, fresh=not automatic)
-            except MemoryTierError as exc:
-                raise RunError(str(exc)) from None
-        if memory is None or not memory.disabled:
-            self._resume_from(survey, memory)
-            return
-        # Off for this attempt's saves; what the nodes hold is still read.
-        self._memory_off, self._memory = memory.disabled, None
-        try:
-            self._resume_from(survey, memory)
-        finally:
-            memory.close()
-
-    def _resume_from(self, survey: Survey | None, memory: MemoryTier | None) -> None:
-        checkpoints, cfg = self._checkpoints, self.cfg.checkpoint
-        automatic = cfg.resume.strip() == "auto"
-        last_step = survey.last_step() if survey is not None else None
-        if cfg.resume.strip() == "never":
-            self._start_afresh()
-            return
-        if not automatic:
-            self._resume_durable(checkpoints.resolve(cfg.resume), last_step)
-            return
-        listed = checkpoints.list_collective()
-        durable_step = listed[-1].step if listed else None
-        self._newest_durable = listed[-1] if listed else None
-        excluded: set[int] = set()
-        while True:
-            candidates = survey.candidates(excluded) if survey is not None else []
-            choice = choose_resume(candidates, durable_step)
-            log.info("[%d/-] Resume: %s.", self.rank, choice.why)
-            if choice.tier == "memory":
-                try:
-                    restored = memory.restore(survey, choice.node, choice.step, self._state)
-                except MemoryTierError as exc:
-                    raise RunError(str(exc)) from None
-                if restored:
-                    self.step, self.resumed_tier = choice.step, "memory"
-                    self._resume_source = f"memory:node{choice.node}"
-                    self._note_redone(last_step)
-                    return
-                excluded.add(choice.node)
-                continue
-            if choice.tier == "durable":
-                info = checkpoints.latest()  # verified; falls back past damaged checkpoints
-                newest_memory = max((c.step for c in candidates), default=None)
-                if info is not None and (newest_memory is None or info.step >= newest_memory):
-                    self._resume_durable(info, last_step)
-                    return
-                if newest_memory is None:
-                    return
-                # The newest durable checkpoint failed verification; node memory is newer than what is left.
-                durable_step = info.step if info is not None else None
-                continue
-            return
-
-    def _init_from(self) -> dict[str, str] | None:
-        """The pretrained weights this run descends from (``checkpoint.init_from``), for its manifests;
-        loaded into the model here when the run resumed nothing (collective).
-
-        After a resume the source is carried forward from the run's own manifests -- the resumed one,
-        or for a memory-tier resume the newest durable one -- not taken from the settings: a relaunch
-        may name another source (or none) and still resume, and its checkpoints name what the weights
-        really came from. A memory-tier resume before the run's first durable save has no manifest
-        to carry it from; the settings' source is then hashed again (it was loaded by this run).
-        """
-        cfg = self.cfg.checkpoint
-        if self.resumed_tier == "durable":
-            return self.resumed_from.manifest.get("init_from")
-        if self.resumed_tier == "memory" and self._newest_durable is not None:
-            return self._newest_durable.manifest.get("init_from")
-        if not cfg.init_from:
-            return None
-        if self.resumed_tier == "memory":
-            box: list[Any] = [None]
-            if self.is_main:
-                try:
-                    box[0] = source_record(cfg.init_from, cfg.storage_options)
-                except CheckpointError as exc:  # the weights are resumed; only the record is lost
-                    log.warning("[%d/%d] The manifests will not name checkpoint.init_from: %s", self.rank, self.step, exc)
-            if dist.is_initialized() and self.world_size > 1:
-                dist.broadcast_object_list(box, src=0, group=self._control)
-            return box[0]
-        try:
-            loaded = load_pretrained(
-                cfg.init_from, self._state[MODEL], missing_ok=cfg.init_from_missing_ok,
-                objects=cfg.init_from_objects, registered=self._state,
-                storage_options=cfg.storage_options, device=self.device, control_group=self._control,
-            )  # fmt: skip
-        except InitFromError as exc:
-            if exc.retryable:
-                raise
-            # A source that is missing or does not fit the model is a bad setting: every node ends
-            # now with the message, instead of each restart failing the same way.
-            _exit_on_settings_error(ConfigError(str(exc)))
-        record = loaded.record
-        kept = f"; kept the model's own {', '.join(loaded.kept)}" if loaded.kept else ""
-        objects = "".join(f"; {name} from {how}" for name, how in loaded.objects)
-        self._init_event = (
-            f"Initialised the model from {record['url']} ({record['format']}, BLAKE3 {record['blake3']}): "
-            f"{loaded.tensors} tensors, {loaded.bytes} bytes{kept}{objects}"
-        )
-        return record
-
-    def _resume_durable(self, info: CheckpointInfo | None, last_step: int | None) -> None:
-        checkpoints, cfg = self._checkpoints, self.cfg.checkpoint
-        if info is None:
-            return
-        differences = identity_differences(info.identity, self.cfg.identity())
-        if differences and not cfg.allow_identity_change:
-            raise RunError(
-                f"Checkpoint {info.url} belongs to a run with other identity settings, so resuming it here "
-                f"would mix two runs: {'; '.join(differences)}. Start this one elsewhere (another run.name or "
-                "checkpoint.url), use the checkpoint's values, or pass --checkpoint.allow_identity_change=true "
-                "to continue that run with the new values."
-            )
-        if differences:
-            log.warning("[%d/%d] Resuming %s with changed identity settings: %s.", self.rank, info.step, info.url,
-                        "; ".join(differences))  # fmt: skip
-        checkpoints.load(info, self._state)
-        self.step, self.resumed_from, self.resumed_tier, self._resume_source = info.step, info, "durable", info.url
-        self._note_redone(last_step)
-
-    def _note_redone(self, last_step: int | None) -> None:
-        self._steps_redone = max(last_step - self.step, 0) if last_step is not None else None
-
-    def _record_resume(self) -> None:
-        """Say where this attempt's state came from and how many completed steps it trains again."""
-        self._metrics.event(f"Resumed from {self._resume_source} (step {self.step})")
-        redone = self._steps_redone
-        if redone is None:
-            previous = self._metrics.previous_step()
-            redone = max(previous - self.step, 0) if previous is not None else None
-        self._steps_redone = redone
-        self._metrics.event(
-            f"Resumed from the {self.resumed_tier} tier at step {self.step}: "
-            + ("steps redone unknown" if redone is None else f"{redone} step(s) redone")
-        )
-        if self.is_main:
-            self.failures.record_resume(tier=self.resumed_tier, step=self.step, source=self._resume_source,
-                                        steps_redone=redone, world_size=self.world_size)  # fmt: skip
-
-    def _start_afresh(self) -> None:
-        """``checkpoint.resume=never``: refuse a URL holding another run's checkpoints, or clear it."""
-        checkpoints, cfg = self._checkpoints, self.cfg.checkpoint
-        existing = checkpoints.list_collective()
-        if not existing:
-            return
-        steps = ", ".join(str(info.step) for info in existing[-5:])
-        if not cfg.overwrite:
-            raise RunError(
-                f"checkpoint.resume=never, but {checkpoints.url} already holds {len(existing)} checkpoint(s) "
-                f"(steps ... {steps}). A new run there would mix its checkpoints with theirs. Use another "
-                "checkpoint.url (or run.name), resume them (checkpoint.resume=auto), or pass "
-                "--checkpoint.overwrite=true to delete them and start over."
-            )
-        log.warning("[%d/0] checkpoint.overwrite: deleting %d checkpoint(s) under %s.", self.rank, len(existing),
-                    checkpoints.url)  # fmt: skip
-        checkpoints.remove_all()
 
     # -------------------------------------------------------------------------------------- loop
 
@@ -587,12 +451,12 @@ class Run:
         ``train.max_steps``, ``train.exit_at_step`` or a stop request, after a blocking checkpoint; leaving
         it early (``break``) is an error, since the steps since the last checkpoint would be lost.
         """
-        if self._state is None:
+        if self._session is None:
             raise RunError("Call run.setup(model, optimizer, ...) before run.steps(): the loop starts where the checkpoint ends.")
-        if self._looped:
+        if self._in_step is not None:
             raise RunError("run.steps() can run once per worker; the run's end is the process's end.")
-        self._looped = True
-        where = self._resume_source or "(none)"
+        self._in_step = 0
+        where = self._session.resumed.source or "(none)"
         num_samples, fingerprint = check_dataset(dataset), dataset_fingerprint(dataset, fingerprint)
         check_same_dataset(num_samples, fingerprint, self._control)
         self._data.bind(num_samples, fingerprint, where)
@@ -601,10 +465,8 @@ class Run:
     def _loop(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> Iterator[Step]:
         # From here a stop has a step boundary to reach and a checkpoint to save; before, it exits.
         self._stop_signal.steps_started()
-        train, data = self.cfg.train, self.cfg.data
-        end = train.max_steps
-        if train.exit_at_step and train.exit_at_step > self.step:
-            end = min(end, train.exit_at_step)
+        session, train, data = self._session, self.cfg.train, self.cfg.data
+        end = loop_end(self.step, train.max_steps, train.exit_at_step)
         sampler = ElasticSampler(self._data.num_samples, train.global_batch_size, train.seed)
         batches = StepBatches(
             dataset, sampler, self._data.cursor, rank=self.rank, world_size=self.world_size,
@@ -613,19 +475,22 @@ class Run:
         )  # fmt: skip
         ledger = StepLedger(self.cfg.run.dir, rank=self.rank, world_size=self.world_size, resume_step=self.step,
                             enabled=data.ledger)  # fmt: skip
-        memory = self._memory
+        memory, metrics, every = session.memory, session.metrics, self.cfg.checkpoint.every_steps
         agreement = StopAgreement(self._stop_signal, self._control, values=REPORT_SIZE)
         if self.step >= end:
             log.info("[%d/%d] Nothing to train: the run is at step %d of %d.", self.rank, self.step, self.step, end)
             self.ended = ENDED_FINISHED
             ledger.close()
             return
-        self._ddp.train()
-        timing = _Timing(self.step)
+        session.ddp.train()
+        collector = StepMetrics(
+            metrics, step=self.step, checkpoints=session.checkpoints, memory=memory, optimizer=session.optimizer,
+            global_batch_size=train.global_batch_size, steps_redone=session.resumed.steps_redone,
+        )  # fmt: skip
         try:
-            for batch in _timed(batches, timing, self._seed_step):
+            for batch in timed(batches, collector.timing, self._seed_step):
                 at_step(batch.step, self.rank)  # fault-injection tests only; one dict lookup otherwise
-                step = Step(batch, self._ddp, self.device)
+                step = Step(batch, session.ddp, self.device)
                 self._in_step = batch.step
                 yield step
                 step._check_complete()
@@ -634,33 +499,30 @@ class Run:
                 stop = agreement.after_step(memory.report() if memory is not None else (0.0,) * REPORT_SIZE)
                 exiting = self.step == end
                 loss = None
-                if data.ledger or self._metrics.should_log(self.step):
+                if data.ledger or metrics.should_log(self.step):
                     loss = self._global_loss(step)
                 ledger.record(self.step, batch.rank_indices, loss if loss is not None else float("nan"))
                 if memory is not None:
                     # After the ledger line: a state in node memory is a step this rank has on record.
-                    memory.after_step(self.step, self._state, agreement.agreed)
-                    if memory.failed and self._memory_off is None:
-                        self._memory_off = f"The memory tier stopped on rank {self.rank}: {memory.failed}"
-                        self._metrics.event(self._memory_off)
+                    memory.after_step(self.step, session.state, agreement.agreed)
+                    if memory.failed and session.memory_off is None:
+                        session.memory_off = f"The memory tier stopped on rank {self.rank}: {memory.failed}"
+                        metrics.event(session.memory_off)
                 # A stop only to admit a joining node: every node of this round stays, with the
                 # state in its memory (see elastic_ddp.stop), so storage is not needed.
                 in_memory = stop and not exiting and not agreement.durable and self._commit_to_memory()
-                if not in_memory and (stop or exiting or (self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0)):
+                if not in_memory and (stop or exiting or (every and self.step % every == 0)):
                     self._save(blocking=stop or exiting)
                 if loss is not None:
-                    self._log_step(step, loss, timing)
+                    collector.log(self.step, loss, step.scalars)
                 if stop:
-                    self.ended = ENDED_STOPPED if self._stop_signal.requested else ENDED_MEMBERSHIP
-                    self._metrics.event(
-                        f"Stopped at step {self.step} to admit a joining node; its state committed to node memory"
-                        if in_memory else f"Stopped at step {self.step} for a stop request; checkpoint committed"
-                    )  # fmt: skip
+                    self.ended = stop_ended(self._stop_signal.requested)
+                    metrics.event(stop_event(self.step, in_memory))
                     return
                 if exiting:
-                    self.ended = ENDED_FINISHED if self.step == train.max_steps else ENDED_EXIT_AT_STEP
+                    self.ended = end_ended(self.step, train.max_steps)
                     if self.ended == ENDED_EXIT_AT_STEP:
-                        self._metrics.event(f"Exiting after step {self.step} (train.exit_at_step); checkpoint committed")
+                        metrics.event(f"Exiting after step {self.step} (train.exit_at_step); checkpoint committed")
                     return
         finally:
             agreement.close()
@@ -669,10 +531,10 @@ class Run:
     def _commit_to_memory(self) -> bool:
         """Collective: the current step committed to every node's memory tier; False (commit it to
         the durable tier instead) when the tier is off or the commit failed on any rank."""
-        memory = self._memory
+        memory = self._session.memory
         if memory is None or not memory.enabled or memory.failed:
             return False
-        if memory.commit(self.step, self._state):
+        if memory.commit(self.step, self._session.state):
             return True
         log.warning("[%d/%d] The stop's state could not be committed to node memory on every rank; committing it "
                     "to the durable tier instead.", self.rank, self.step)  # fmt: skip
@@ -693,8 +555,8 @@ class Run:
         return loss_sum / max(samples, 1.0)
 
     def _save(self, *, blocking: bool) -> None:
-        checkpoints = self._checkpoints
-        ok = checkpoints.save(self.step, self._state, blocking=blocking)
+        checkpoints = self._session.checkpoints
+        ok = checkpoints.save(self.step, self._session.state, blocking=blocking)
         if blocking and not ok:
             raise RunError(
                 f"The checkpoint of step {self.step} could not be saved, so this run's work since its last "
@@ -708,94 +570,35 @@ class Run:
                 f"good one. The last error: {checkpoints.last_error}"
             )
 
-    def _log_step(self, step: Step, loss: float, timing: _Timing) -> None:
-        step_time_s, data_wait_s = timing.per_step(self.step)
-        samples = self.cfg.train.global_batch_size
-        scalars = {
-            "train/loss": loss,
-            "train/lr": float(self._optimizer.param_groups[0]["lr"]),
-            "perf/step_time_s": step_time_s,
-            "perf/data_wait_s": data_wait_s,
-            "perf/samples_per_s": samples / step_time_s if step_time_s > 0 else 0.0,
-            **{name: float(value) for name, value in step.scalars.items()},
-            **self._checkpoints.metrics(),
-        }
-        if self._memory is not None and self._memory.enabled:
-            scalars["memory/interval_steps"] = float(self._memory.interval)
-            scalars["memory/stall_s"] = self._memory.stall_s
-            scalars["memory/save_cost_s"] = self._memory.cost_s
-            scalars["memory/write_s"] = self._memory.write_s
-            scalars["memory/saves"] = float(self._memory.saves)
-        if self._steps_redone is not None and self.step == self._metrics.start_step:
-            scalars["elastic/steps_redone"] = float(self._steps_redone)
-        self._metrics.log_step(self.step, scalars)
-
     def event(self, text: str) -> None:
-        """Record a notable happening in TensorBoard's events and on the console (rank 0)."""
-        self._metrics.event(text)
+        """Record a notable happening in TensorBoard's events and on the console (rank 0); before
+        run.setup() it is kept until the metrics exist."""
+        if self._session is None:
+            self._events.append(text)
+        else:
+            self._session.metrics.event(text)
 
     # ---------------------------------------------------------------------------------- teardown
 
     def finish(self) -> int:
         """Ordered teardown after the script returned; the process's exit status (see the module docstring)."""
-        if self.ended is None:
-            raise RunError(
-                f"The training script returned during step {max(self._in_step, self.step)}, before run.steps() reached its end "
-                f"(train.max_steps={self.cfg.train.max_steps}); the steps since the last checkpoint would be "
-                "lost. Let the loop end by itself; to end early use --train.exit_at_step."
-            )
-        if self._checkpoints is not None and not self._checkpoints.close():
-            raise RunError(f"The last checkpoint save failed: {self._checkpoints.last_error}")
-        if self._memory is not None:
-            self._memory.close()
-            if self.ended == ENDED_FINISHED:
+        check_ended(self.ended, max(self._in_step or 0, self.step), self.cfg.train.max_steps)
+        session = self._session
+        if not session.checkpoints.close():
+            raise RunError(f"The last checkpoint save failed: {session.checkpoints.last_error}")
+        if session.memory is not None:
+            session.memory.close()
+            if frees_memory(self.ended):
                 # The run is over, so node memory is freed -- once every local rank stopped writing.
                 if self._control is not None:
                     dist.barrier(group=self._control)
-                self._memory.remove()
-        if self.ended in (ENDED_STOPPED, ENDED_MEMBERSHIP):
+                session.memory.remove()
+        if stopped(self.ended):
             self._stop_signal.stopped()
-        self._metrics.summary(self.ended)
-        self._metrics.close(self.ended)
+        session.metrics.summary(self.ended)
+        session.metrics.close(self.ended)
         shutdown_distributed()
-        if self.ended in (ENDED_STOPPED, ENDED_MEMBERSHIP):
-            # Preempted ranks leave now; survivors wait for their agent to restart them at the new
-            # membership, so the stop costs neither steps nor one of torchrun's --max-restarts.
-            return wait_for_restart(self._stop_signal, self.cfg.dist.restart_wait_s)
-        return 0
-
-
-class _Timing:
-    """Wall time and data wait per step, averaged between logged steps (a sync happens at each)."""
-
-    def __init__(self, step: int) -> None:
-        self._since_step, self._since = step, time.perf_counter()
-        self._wait = 0.0
-
-    def add_wait(self, seconds: float) -> None:
-        self._wait += seconds
-
-    def per_step(self, step: int) -> tuple[float, float]:
-        now, steps = time.perf_counter(), max(step - self._since_step, 1)
-        out = ((now - self._since) / steps, self._wait / steps)
-        self._since_step, self._since, self._wait = step, now, 0.0
-        return out
-
-
-def _timed(batches: StepBatches, timing: _Timing, before_step: Callable[[int], None]) -> Iterator[StepBatch]:
-    """The batches, each fetched after ``before_step(step)`` (so a dataset drawing random numbers in
-    the training process draws them from that step's seeds), with the time spent waiting for it."""
-    iterator = iter(batches)
-    step = batches.start_step
-    while True:
-        step += 1
-        before_step(step)
-        started = time.perf_counter()
-        batch = next(iterator, None)
-        if batch is None:
-            return
-        timing.add_wait(time.perf_counter() - started)
-        yield batch
+        return exit_status(self.ended, self._stop_signal, self.cfg.dist.restart_wait_s)
 
 
 # ---------------------------------------------------------------------------------------- launch

@@ -1,7 +1,7 @@
 """`elastic-ddp tensorboard` never leaves its TensorBoard child serving after it is stopped.
 
 The real command is started as a process; a stop signal to it must reach TensorBoard, and a child
-that ignores the signal is killed after ``metrics._TENSORBOARD_STOP_S``.
+that ignores the signal is killed after ``tensorboard_cli._TENSORBOARD_STOP_S``.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_a_child_that_ignores_the_signal_is_killed(tmp_path, processes, signum):
     # The command's own parser and function, with the child swapped for one that ignores signals.
     code = (
         "import argparse, sys\n"
-        "from elastic_ddp import metrics\n"
+        "from elastic_ddp import tensorboard_cli as metrics\n"
         "metrics._TENSORBOARD_STOP_S = 1.0\n"
         f"metrics.tensorboard_command = lambda args: [sys.executable, '-c', {STUBBORN_CHILD!r}]\n"
         "parser = argparse.ArgumentParser()\n"

@@ -32,12 +32,11 @@ from elastic_ddp.metrics import (
     PROGRESS_FILE,
     Metrics,
     TensorBoardMetrics,
-    add_parser,
     console_line,
     create_metrics,
     summary_line,
-    tensorboard_command,
 )
+from elastic_ddp.tensorboard_cli import add_parser, tensorboard_command
 
 
 class FakeClock:

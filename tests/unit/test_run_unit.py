@@ -24,13 +24,7 @@ from elastic_ddp.data import ORDER_VERSION, DataCursor, ElasticSampler, make_ste
 from elastic_ddp.run import DataState, RunError, Step, seed_everything
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: on shared CI cores, intra-op threads cost more in contention than they gain.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Points(torch.utils.data.Dataset):
