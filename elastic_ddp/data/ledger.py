@@ -19,6 +19,9 @@ header field    type       meaning
 ``resume_step`` int        steps completed by the state the attempt started from (0: fresh)
 ``world_size``  int        the attempt's world size
 ``rank``        int        this worker's rank in the attempt
+``restart``     int        torchrun's restart count of this worker's agent
+                           (``TORCHELASTIC_RESTART_COUNT``; 0 outside torchrun): a failure
+                           counts on its own node, a membership change counts nowhere
 ``time``        float      ``time.time()`` when the header was written
 ==============  =========  =================================================================
 
@@ -53,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from elastic_ddp.distributed import attempt_id
+from elastic_ddp.distributed import ENV_RESTART_COUNT, attempt_id
 
 __all__ = ["LedgerStep", "StepLedger", "exactly_once_problems", "read_ledger"]
 
@@ -72,7 +75,7 @@ class StepLedger:
         self._file = open(directory / f"rank-{rank}.jsonl", "a", encoding="utf-8")
         self._write({
             "attempt": attempt_id(), "resume_step": resume_step, "world_size": world_size,
-            "rank": rank, "time": time.time(),
+            "rank": rank, "restart": int(os.environ.get(ENV_RESTART_COUNT, "0") or 0), "time": time.time(),
         })  # fmt: skip
 
     def record(self, step: int, indices: list[int], loss: float) -> None:

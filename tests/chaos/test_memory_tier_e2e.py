@@ -56,16 +56,6 @@ def add_machine(job: Job, root: Path, machine: str) -> None:
     job.add_node(flags=[f"--checkpoint.memory_dir={root / f'shm-{machine}'}"])
 
 
-def finish(job: Job, nodes, timeout: float = 240) -> str:
-    try:
-        codes = [node.wait(timeout=timeout) for node in nodes]
-    finally:
-        job.cleanup()
-    output = job.output()
-    assert codes == [0] * len(codes), output[-6000:]
-    return output
-
-
 def rank0_node(job: Job):
     hosts = [node for node in job.nodes if "[rank0]" in node.output()]
     assert len(hosts) == 1, job.output()[-4000:]
@@ -93,7 +83,7 @@ def reference(etcd_server, tmp_path_factory):
     """The uninterrupted run on two nodes: its ledger and final parameters."""
     root = tmp_path_factory.mktemp("memory-reference")
     job = start(etcd_server.endpoint, root, "reference", "only", "2", ["a", "b"])
-    finish(job, job.nodes)
+    job.finish()
     history = read_ledger(job.run_dir)
     assert list(history) == list(range(1, MAX_STEPS + 1))
     assert memory_dirs(root, "a") == [] and memory_dirs(root, "b") == []  # freed at a normal end
@@ -135,7 +125,7 @@ def test_losing_the_rank0_node_resumes_from_the_survivors_memory_bitwise(referen
         add_machine(job, tmp_path, "c")  # a replacement machine: its memory is empty
         recovery_s = job.wait_for_training_since(mark, t0, world_size=2)
         step, redone = check_memory_resume(job, before, job.output_since(mark))
-        finish(job, [survivor, job.nodes[-1]])
+        job.finish([survivor, job.nodes[-1]])
         weights = final_weights(job, tmp_path)
         assert weights.keys() == ref_weights.keys()
         assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
@@ -153,7 +143,7 @@ def test_losing_the_other_node_resumes_alone_from_memory_with_the_same_samples(r
         before, mark, t0, survivor = kill_at_random_step(job, victim_is_rank0=False)
         recovery_s = job.wait_for_training_since(mark, t0, world_size=1)
         step, redone = check_memory_resume(job, before, job.output_since(mark))
-        finish(job, [survivor])
+        job.finish([survivor])
         history = read_ledger(job.run_dir)
         assert list(history) == list(range(1, MAX_STEPS + 1))
         assert [history[s].world_size for s in history] == [2] * step + [1] * (MAX_STEPS - step)
@@ -186,7 +176,7 @@ def test_a_node_joining_is_taken_in_from_node_memory_without_a_durable_save_and_
         recovery_s = job.wait_for_training_since(mark, t0, world_size=3)
         after = job.output_since(mark)
         before = max(s for s, w in job.progress() if w == 2)
-        output = finish(job, job.nodes)
+        output = job.finish()
     finally:
         job.cleanup()
     assert f"Stopped at step {before} to admit a joining node; its state committed to node memory" in output, after[-4000:]
@@ -213,7 +203,7 @@ def test_losing_every_node_resumes_from_the_durable_tier(etcd_endpoint, tmp_path
     finally:
         job.cleanup()
     again = start(etcd_endpoint, tmp_path, "lose-all", "again", "1:2", ["c"])  # new machines, empty memory
-    output = finish(again, again.nodes)
+    output = again.finish()
     assert resumed_steps(output) == [durable], output[-4000:]
     [record] = resume_records(again)
     assert (record["tier"], record["step"]) == ("durable", durable), record

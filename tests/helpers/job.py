@@ -21,6 +21,7 @@ from pathlib import Path
 
 from elastic_ddp.checkpoint.manager import list_checkpoints, verify_checkpoint
 from elastic_ddp.checkpoint.storage import Storage
+from elastic_ddp.data.ledger import LEDGER_DIR
 from tests.helpers.nodes import Node, start_node, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,6 +142,23 @@ class Job:
         what = f"the commit of step {step}" if step else "a committed checkpoint"
         self.wait_until(lambda: needle in self.output(), timeout, what)
 
+    def worker_starts(self) -> list[dict]:
+        """Every worker start on record, oldest first: the header each worker wrote to the step ledger
+        (``--data.ledger=true``; elastic_ddp/data/ledger.py), with its attempt, world size, rank and
+        its agent's torchrun restart count (``restart``)."""
+        headers = []
+        for path in sorted((self.run_dir / LEDGER_DIR).glob("rank-*.jsonl")):
+            complete = path.read_text().split("\n")[:-1]  # a line being written is not read yet
+            headers += [json.loads(line) for line in complete if line.startswith('{"attempt"')]
+        return sorted(headers, key=lambda header: header["time"])
+
+    def restarts(self) -> int:
+        """The most torchrun restarts any agent of the job has spent (failures; membership changes
+        spend none), from the workers' ledger headers."""
+        starts = self.worker_starts()
+        assert starts, f"no worker start on record under {self.run_dir / LEDGER_DIR} (is --data.ledger=true set?)"
+        return max(start["restart"] for start in starts)
+
     def mark(self) -> list[int]:
         """A position in every node's output; :meth:`output_since` returns what came after it."""
         return [len(node.output()) for node in self.nodes]
@@ -167,6 +185,17 @@ class Job:
         for node in self.nodes:
             node.cleanup()
 
+    def finish(self, nodes: Sequence[Node] | None = None, timeout: float = 240) -> str:
+        """Wait for ``nodes`` (default: every node) to exit, clean up, and return the job's output;
+        the test fails, showing the output's end, unless every one of them exited 0."""
+        try:
+            codes = [node.wait(timeout=timeout) for node in (self.nodes if nodes is None else nodes)]
+        finally:
+            self.cleanup()
+        output = self.output()
+        assert codes == [0] * len(codes), output[-6000:]
+        return output
+
     def stop_and_verify_checkpoints(self, url: str | None = None, *, require_any: bool = True) -> int:
         """Kill every node (mid-save, perhaps), then check that every committed checkpoint of the run
         (under ``url``, default the run's own directory) is intact; return how many there are.
@@ -185,6 +214,20 @@ class Job:
         assert infos or not require_any, f"no committed checkpoint under {storage.url}"
         assert not damaged, "damaged committed checkpoints:\n" + "\n".join(damaged)
         return len(infos)
+
+
+def one_node_job(
+    endpoint: str, root: Path, run_id: str, *, nproc: int, attempt: str, recipe: Path = RECIPE,
+    flags: Sequence[str] = (), extra_env: dict[str, str] | None = None,
+) -> Job:
+    """One agent with ``nproc`` workers on the run ``run_id``, started: each ``attempt`` of a run is
+    a launch of its own (a rendezvous of its own), as a job submitted again would be."""
+    job = Job(
+        endpoint, root, nnodes="1", run_id=run_id, rdzv_id=f"{run_id}-{attempt}-{uuid.uuid4().hex[:6]}", recipe=recipe,
+        flags=flags, torchrun_flags=[f"--nproc-per-node={nproc}"], extra_env=extra_env or {},
+    )  # fmt: skip
+    job.add_node()
+    return job
 
 
 def report(

@@ -15,7 +15,6 @@ learning rate halving every 15 steps:
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 
 from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.data import read_ledger
-from tests.helpers.job import CLASSIFIER, Job, resumed_steps
+from tests.helpers.job import CLASSIFIER, Job, one_node_job, resumed_steps
 
 pytestmark = pytest.mark.slow
 
@@ -37,23 +36,8 @@ REL_L2_BOUND = 1e-4
 
 
 def run(endpoint: str, root: Path, run_id: str, *, nproc: int, attempt: str, dropout: float, flags=(), env=None) -> Job:
-    job = Job(
-        endpoint, root, nnodes="1", run_id=run_id, rdzv_id=f"{run_id}-{attempt}-{uuid.uuid4().hex[:6]}", recipe=CLASSIFIER,
-        flags=[*FLAGS, f"--model.dropout={dropout}", *flags], torchrun_flags=[f"--nproc-per-node={nproc}"],
-        extra_env=env or {},
-    )  # fmt: skip
-    job.add_node()
-    return job
-
-
-def finish(job: Job, timeout: float = 240) -> str:
-    try:
-        code = job.nodes[0].wait(timeout=timeout)
-    finally:
-        job.cleanup()
-    output = job.output()
-    assert code == 0, output[-6000:]
-    return output
+    return one_node_job(endpoint, root, run_id, nproc=nproc, attempt=attempt, recipe=CLASSIFIER,
+                        flags=[*FLAGS, f"--model.dropout={dropout}", *flags], extra_env=env)  # fmt: skip
 
 
 def final_weights(job: Job, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -77,7 +61,7 @@ def references(etcd_server, tmp_path_factory):
     for dropout in (0.1, 0.0):
         root = tmp_path_factory.mktemp(f"reference-{dropout}")
         job = run(etcd_server.endpoint, root, "reference", nproc=2, attempt=f"only-{dropout}", dropout=dropout)
-        finish(job)
+        job.finish()
         history = read_ledger(job.run_dir)
         assert list(history) == list(range(1, MAX_STEPS + 1))
         out[dropout] = history, final_weights(job, root)
@@ -115,7 +99,7 @@ def test_kill_9_and_resume_with_nn_dropout_is_bitwise_identical(references, etcd
     first.nodes[0].kill()  # kill -9 of the agent and both workers
     first.cleanup()
     again = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="again", dropout=0.1, flags=durable_only)
-    output = finish(again)
+    output = again.finish()
     assert resumed_steps(output) == [HALF], output[-4000:]
     history = read_ledger(again.run_dir)  # the killed attempt's steps 21-24 are superseded
     assert {s: e.indices for s, e in history.items()} == {s: e.indices for s, e in ref_history.items()}
@@ -128,9 +112,9 @@ def test_kill_9_and_resume_with_nn_dropout_is_bitwise_identical(references, etcd
 def test_resume_at_another_world_size_trains_the_same_samples_within_reduction_noise(after, references, etcd_endpoint, tmp_path):
     ref_history, ref_weights = references[0.0]
     run_id = f"resize-2-{after}"
-    finish(run(etcd_endpoint, tmp_path, run_id, nproc=2, attempt="first", dropout=0.0, flags=[f"--train.exit_at_step={HALF}"]))
+    run(etcd_endpoint, tmp_path, run_id, nproc=2, attempt="first", dropout=0.0, flags=[f"--train.exit_at_step={HALF}"]).finish()
     again = run(etcd_endpoint, tmp_path, run_id, nproc=after, attempt="again", dropout=0.0)
-    output = finish(again)
+    output = again.finish()
     assert resumed_steps(output) == [HALF], output[-4000:]
     history = read_ledger(again.run_dir)
     assert [history[s].world_size for s in history] == [2] * HALF + [after] * (MAX_STEPS - HALF)

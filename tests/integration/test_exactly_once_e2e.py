@@ -23,9 +23,7 @@ epoch boundaries; dropout is on, so the per-sample dropout seeds are exercised t
 
 from __future__ import annotations
 
-import re
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -35,7 +33,7 @@ from lm import ByteWindows, CorpusConfig, load_corpus
 from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.data import LedgerStep, exactly_once_problems, read_ledger
 from tests.helpers.data import data_order
-from tests.helpers.job import Job, resumed_steps, steps
+from tests.helpers.job import Job, one_node_job, resumed_steps, steps
 
 pytestmark = pytest.mark.slow
 
@@ -58,24 +56,10 @@ def run(
     endpoint: str, root: Path, run_id: str, *, nproc: int, attempt: str, exit_at: int = 0, env=None, flags=()
 ) -> Job:
     """Start one agent with ``nproc`` workers on the run ``run_id`` (its own rendezvous per attempt)."""
-    job = Job(
-        endpoint, root, nnodes="1", run_id=run_id, rdzv_id=f"{run_id}-{attempt}-{uuid.uuid4().hex[:6]}",
+    return one_node_job(
+        endpoint, root, run_id, nproc=nproc, attempt=attempt, extra_env=env,
         flags=[*FLAGS, f"--train.max_steps={MAX_STEPS}", f"--train.exit_at_step={exit_at}", *flags],
-        torchrun_flags=[f"--nproc-per-node={nproc}"],
-        extra_env=env or {},
     )  # fmt: skip
-    job.add_node()
-    return job
-
-
-def finish(job: Job, timeout: float = 240) -> str:
-    try:
-        code = job.nodes[0].wait(timeout=timeout)
-    finally:
-        job.cleanup()
-    output = job.output()
-    assert code == 0, output[-6000:]
-    return output
 
 
 def final_weights(job: Job, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -106,7 +90,7 @@ def reference(etcd_server, tmp_path_factory):
     """The uninterrupted 2-rank run: its ledger history and final weights."""
     root = tmp_path_factory.mktemp("reference")
     job = run(etcd_server.endpoint, root, "reference", nproc=2, attempt="only")
-    finish(job)
+    job.finish()
     history = read_ledger(job.run_dir)
     assert len(history) == MAX_STEPS and all(entry.world_size == 2 for entry in history.values())
     assert_each_sample_once_per_epoch(history, samples_per_epoch())
@@ -116,10 +100,10 @@ def reference(etcd_server, tmp_path_factory):
 
 def test_resume_at_the_same_world_size_is_bitwise_identical(reference, etcd_endpoint, tmp_path):
     ref_history, ref_weights = reference
-    first = finish(run(etcd_endpoint, tmp_path, "same", nproc=2, attempt="first", exit_at=HALF))
+    first = run(etcd_endpoint, tmp_path, "same", nproc=2, attempt="first", exit_at=HALF).finish()
     assert f"Exiting after step {HALF} (train.exit_at_step)" in first, first[-4000:]
     again = run(etcd_endpoint, tmp_path, "same", nproc=2, attempt="again")
-    output = finish(again)
+    output = again.finish()
     assert resumed_steps(output) == [HALF], output[-4000:]
     history = read_ledger(again.run_dir)
     assert {s: e.loss for s, e in history.items()} == {s: e.loss for s, e in ref_history.items()}
@@ -140,7 +124,7 @@ def test_resume_after_kill_9_past_the_committed_checkpoint_is_bitwise_identical(
     first.nodes[0].kill()  # kill -9 of the agent and both workers
     first.cleanup()
     again = run(etcd_endpoint, tmp_path, "killed", nproc=2, attempt="again", flags=durable_only)
-    output = finish(again)
+    output = again.finish()
     assert resumed_steps(output) == [HALF], output[-4000:]
     history = read_ledger(again.run_dir)  # the killed attempt's steps 21-24 are superseded
     assert {s: e.loss for s, e in history.items()} == {s: e.loss for s, e in ref_history.items()}
@@ -152,9 +136,9 @@ def test_resume_after_kill_9_past_the_committed_checkpoint_is_bitwise_identical(
 def test_resume_at_another_world_size_consumes_the_same_samples_per_step(before, after, reference, etcd_endpoint, tmp_path):
     ref_history, ref_weights = reference
     run_id = f"resize-{before}-{after}"
-    finish(run(etcd_endpoint, tmp_path, run_id, nproc=before, attempt="first", exit_at=HALF))
+    run(etcd_endpoint, tmp_path, run_id, nproc=before, attempt="first", exit_at=HALF).finish()
     again = run(etcd_endpoint, tmp_path, run_id, nproc=after, attempt="again")
-    output = finish(again)
+    output = again.finish()
     assert resumed_steps(output) == [HALF], output[-4000:]
     history = read_ledger(again.run_dir)
     assert [history[s].world_size for s in history] == [before] * HALF + [after] * (MAX_STEPS - HALF)
@@ -200,8 +184,6 @@ def test_a_real_scale_down_neither_repeats_nor_skips_a_sample(etcd_endpoint, tmp
     assert resumed >= 10 and len(history) >= resumed + 8
 
 
-# A worker's first log line: its world size, its agent's restart count and the rendezvous round.
-WORKER_LINE = re.compile(r"Rank \d+ of world size (\d+) .*torchrun restart (\d+) of .*, rendezvous round (\d+)")
 
 
 def test_a_node_joining_after_a_crash_with_a_lower_restart_count_loses_no_ranks_samples(etcd_endpoint, tmp_path):
@@ -213,7 +195,7 @@ def test_a_node_joining_after_a_crash_with_a_lower_restart_count_loses_no_ranks_
     )  # fmt: skip
     try:
         survivor = job.add_node()
-        job.wait_until(lambda: "torchrun restart 1 of at most 3" in job.output(), 180, "the restart after the crash")
+        job.wait_until(lambda: any(start["restart"] == 1 for start in job.worker_starts()), 180, "the restart after the crash")
         job.wait_for_step(9)
         mark, t0 = job.mark(), time.monotonic()
         victim = job.add_node()
@@ -231,10 +213,10 @@ def test_a_node_joining_after_a_crash_with_a_lower_restart_count_loses_no_ranks_
         survivor.wait(timeout=120)
     finally:
         job.cleanup()
-    counts: dict[int, set[int]] = {}
-    for world_size, restarts, round_ in WORKER_LINE.findall(job.output()):
-        if world_size == "2":
-            counts.setdefault(int(round_), set()).add(int(restarts))
+    counts: dict[str, set[int]] = {}
+    for start in job.worker_starts():
+        if start["world_size"] == 2:
+            counts.setdefault(start["attempt"], set()).add(start["restart"])
     assert {1, 0} in counts.values(), counts  # a two-node group whose agents' counts differed
     history = read_ledger(job.run_dir)
     per_epoch = samples_per_epoch()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from elastic_ddp.data import (
     exactly_once_problems, read_ledger, read_samples,
 )  # fmt: skip
 from tests.helpers.data import data_order
-from tests.helpers.job import REPO, Job, env, resumed_steps
+from tests.helpers.job import REPO, Job, env, one_node_job, resumed_steps
 
 datasets = pytest.importorskip("datasets")
 
@@ -198,23 +197,11 @@ MAX_STEPS = 50  # 1,600 rows: one epoch and more than half the next
 
 
 def hf_job(endpoint: str, root: Path, run_id: str, *, nproc: int, attempt: str, flags=(), env_=None) -> Job:
-    job = Job(
-        endpoint, root, nnodes="1", run_id=run_id, rdzv_id=f"{run_id}-{attempt}-{uuid.uuid4().hex[:6]}",
-        recipe=WORKER, torchrun_flags=[f"--nproc-per-node={nproc}"], extra_env=env_ or {},
+    return one_node_job(
+        endpoint, root, run_id, nproc=nproc, attempt=attempt, recipe=WORKER, extra_env=env_,
         flags=[f"--train.global_batch_size={BATCH}", f"--train.max_steps={MAX_STEPS}", "--data.ledger=true",
                "--checkpoint.every_steps=10", *flags],
     )  # fmt: skip
-    job.add_node()
-    return job
-
-
-def finish(job: Job, timeout: float = 180) -> str:
-    try:
-        code = job.nodes[0].wait(timeout=timeout)
-    finally:
-        job.cleanup()
-    assert code == 0, job.output()[-6000:]
-    return job.output()
 
 
 def expected_order(num_steps: int) -> list[list[int]]:
@@ -233,7 +220,7 @@ def test_killed_on_2_ranks_and_resumed_on_3_every_row_is_trained_once_per_epoch(
         first.nodes[0].kill()
     finally:
         first.cleanup()
-    output = finish(hf_job(etcd_endpoint, tmp_path, "hf", nproc=3, attempt="again"))
+    output = hf_job(etcd_endpoint, tmp_path, "hf", nproc=3, attempt="again").finish(timeout=180)
     (resumed,) = resumed_steps(output)
     assert 20 <= resumed <= 24, output[-4000:]  # the durable checkpoint, or the memory tier's newer state
     history = read_ledger(tmp_path / "hf")
@@ -246,10 +233,10 @@ def test_killed_on_2_ranks_and_resumed_on_3_every_row_is_trained_once_per_epoch(
 
 @pytest.mark.slow
 def test_stopped_and_resumed_at_the_same_world_size_trains_the_same_losses_bit_for_bit(etcd_endpoint, tmp_path):
-    finish(hf_job(etcd_endpoint, tmp_path, "ref", nproc=2, attempt="only"))
+    hf_job(etcd_endpoint, tmp_path, "ref", nproc=2, attempt="only").finish(timeout=180)
     reference = read_ledger(tmp_path / "ref")
-    finish(hf_job(etcd_endpoint, tmp_path, "cut", nproc=2, attempt="first", flags=["--train.exit_at_step=23"]))
-    output = finish(hf_job(etcd_endpoint, tmp_path, "cut", nproc=2, attempt="again"))
+    hf_job(etcd_endpoint, tmp_path, "cut", nproc=2, attempt="first", flags=["--train.exit_at_step=23"]).finish(timeout=180)
+    output = hf_job(etcd_endpoint, tmp_path, "cut", nproc=2, attempt="again").finish(timeout=180)
     assert resumed_steps(output) == [23], output[-4000:]
     history = read_ledger(tmp_path / "cut")
     assert {s: e.loss for s, e in history.items()} == {s: e.loss for s, e in reference.items()}

@@ -16,7 +16,7 @@ from elastic_ddp.checkpoint import cli as ckpt_cli
 from elastic_ddp.checkpoint.catalog import list_checkpoints
 from elastic_ddp.checkpoint.storage import Storage
 from tests.helpers.job import resumed_steps
-from tests.integration.test_classifier_e2e import HALF, MAX_STEPS, finish, run
+from tests.integration.test_classifier_e2e import HALF, MAX_STEPS, run
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def export(job_dir: Path, step: int, out: Path, fmt: str) -> None:
 
 def test_fine_tune_starts_from_the_export_and_a_resume_wins_over_it(etcd_endpoint, tmp_path, capsys) -> None:
     # The other run: 10 steps, exported as safetensors.
-    finish(run(etcd_endpoint, tmp_path, "base", nproc=2, attempt="only", dropout=0.1, flags=["--train.exit_at_step=10"]))
+    run(etcd_endpoint, tmp_path, "base", nproc=2, attempt="only", dropout=0.1, flags=["--train.exit_at_step=10"]).finish()
     base = tmp_path / "base.safetensors"
     export(tmp_path / "base", 10, base, "safetensors")
     source = {"url": str(base), "format": "safetensors", "blake3": blake3.blake3(base.read_bytes()).hexdigest()}
@@ -39,7 +39,7 @@ def test_fine_tune_starts_from_the_export_and_a_resume_wins_over_it(etcd_endpoin
     # Step 1 from those weights, bitwise: a step whose update (lr 1e-30, no weight decay) is far below
     # float32's resolution leaves the weights as they were loaded, and its checkpoint holds them.
     frozen = ["--optim.lr=1e-30", "--optim.weight_decay=0", "--train.exit_at_step=1"]
-    output = finish(run(etcd_endpoint, tmp_path, "probe", nproc=2, attempt="only", dropout=0.1, flags=[*init, *frozen]))
+    output = run(etcd_endpoint, tmp_path, "probe", nproc=2, attempt="only", dropout=0.1, flags=[*init, *frozen]).finish()
     assert f"{INITIALISED}{base} (safetensors, BLAKE3 {source['blake3']})" in output, output[-4000:]
     export(tmp_path / "probe", 1, tmp_path / "probe.pt", "torch")
     want, got = load_file(base), torch.load(tmp_path / "probe.pt", weights_only=True)
@@ -55,7 +55,7 @@ def test_fine_tune_starts_from_the_export_and_a_resume_wins_over_it(etcd_endpoin
     first.cleanup()
     assert INITIALISED in first.output()
     again = run(etcd_endpoint, tmp_path, "tuned", nproc=2, attempt="again", dropout=0.1, flags=[*init, *durable_only])
-    output = finish(again)
+    output = again.finish()
     assert resumed_steps(output) == [HALF], output[-4000:]
     assert INITIALISED not in output  # a resume always wins: the pretrained file is not read again
 

@@ -6,8 +6,6 @@ descendant (torchrun starts workers in a session of their own).
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
 import uuid
@@ -15,20 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.job import TEST_RDZV_CONF
+from tests.helpers.job import RECIPE, STEP_LINE, TEST_RDZV_CONF, TINY, env
 from tests.helpers.nodes import start_node, wait_for
-
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "recipes" / "train.py"
-
-# A model and corpus small enough that a step takes milliseconds on a loaded 2-core machine.
-TINY = [
-    "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-    "--data.max_bytes=300000", "--train.global_batch_size=8", "--train.warmup_steps=2",
-    "--logging.every_steps=1",
-]  # fmt: skip
-
-STEP_LINE = re.compile(r"step=(\d+)/(\d+) loss=([\d.]+).* world_size=(\d+)")
 
 
 def torchrun(backend: str, endpoint: str, run_id: str, nnodes: str, root: Path, *flags: str) -> list[str]:
@@ -38,10 +24,6 @@ def torchrun(backend: str, endpoint: str, run_id: str, nnodes: str, root: Path, 
         f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", TEST_RDZV_CONF,
         str(RECIPE), f"--run.root={root}", f"--run.name={run_id}", *TINY, *flags,
     ]  # fmt: skip
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def steps(output: str) -> list[tuple[int, float, int]]:

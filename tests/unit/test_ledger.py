@@ -224,3 +224,17 @@ def test_the_exactly_once_verdict_names_what_is_wrong():
     assert exactly_once_problems(history([0, 1], [2, 3], [5, 0]), 5) == ["epoch 0 left samples out"]
     skipped = {1: LedgerStep(1, 1, 0.0, {0: [0, 1]}), 3: LedgerStep(3, 1, 0.0, {0: [2, 3]})}
     assert exactly_once_problems(skipped, 5) == ["the steps do not run 1..2 once each (missing: [2])"]
+
+
+def test_a_header_names_the_agents_restart_count_0_outside_torchrun(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    ledger = StepLedger(tmp_path, rank=0, world_size=1, resume_step=0, enabled=True)
+    ledger.record(1, [0, 1], 0.5)
+    ledger.close()
+    header = json.loads((tmp_path / "ledger" / "rank-0.jsonl").read_text().splitlines()[0])
+    assert header["restart"] == 2
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    ledger = StepLedger(tmp_path / "outside", rank=0, world_size=1, resume_step=0, enabled=True)
+    ledger.close()
+    assert json.loads((tmp_path / "outside" / "ledger" / "rank-0.jsonl").read_text())["restart"] == 0
+    assert read_ledger(tmp_path)[1].indices == {0: [0, 1]}

@@ -37,6 +37,7 @@ from elastic_ddp.stop import (
     wait_for_restart,
 )
 from tests.helpers.nodes import wait_for
+from tests.helpers.ranks import run_ranks
 
 
 def python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -280,26 +281,9 @@ dist.destroy_process_group()
 
 def test_a_flag_set_on_one_rank_before_step_k_is_agreed_by_both_ranks_after_step_k_plus_1(tmp_path):
     scenarios = [[1, 3], [0, 1], [1, 5]]  # (rank that is signalled, step k)
-    script = tmp_path / "agreement.py"
-    script.write_text(_AGREEMENT_WORKER)
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    store = str(tmp_path / "store")
-    workers = [
-        subprocess.Popen([sys.executable, str(script), str(rank), store, json.dumps(scenarios)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for rank in range(2)
-    ]  # fmt: skip
-    try:
-        outputs = [worker.communicate(timeout=120) for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
-    for worker, (out, err) in zip(workers, outputs):
-        assert worker.returncode == 0, err
+    for rank in run_ranks(tmp_path, _AGREEMENT_WORKER, 2, json.dumps(scenarios)):
         # Not at step k (the all-reduce holding the flag is still in flight), at step k + 1 on both.
-        assert json.loads(out) == [[False] * k + [True] for _, k in scenarios]
+        assert json.loads(rank.stdout) == [[False] * k + [True] for _, k in scenarios]
 
 
 def test_without_a_group_a_stop_needs_the_durable_tier_unless_it_is_for_a_join():
@@ -343,25 +327,8 @@ def test_three_ranks_agree_a_stop_needs_no_durable_tier_only_when_every_signalle
         {"0": "join", "1": "outside"},  # a preemption at the same step: storage after all
         {"2": "outside"},
     ]
-    script = tmp_path / "durable.py"
-    script.write_text(_DURABLE_WORKER)
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    store = str(tmp_path / "store")
-    workers = [
-        subprocess.Popen([sys.executable, str(script), str(rank), store, json.dumps(scenarios)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for rank in range(3)
-    ]  # fmt: skip
-    try:
-        outputs = [worker.communicate(timeout=120) for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
-    for worker, (out, err) in zip(workers, outputs):
-        assert worker.returncode == 0, err
-        assert json.loads(out) == [[3, False], [3, False], [3, True], [3, True]]
+    for rank in run_ranks(tmp_path, _DURABLE_WORKER, 3, json.dumps(scenarios)):
+        assert json.loads(rank.stdout) == [[3, False], [3, False], [3, True], [3, True]]
 
 
 def test_without_a_group_the_values_are_agreed_as_passed():
@@ -396,26 +363,9 @@ dist.destroy_process_group()
 
 
 def test_values_ride_on_the_agreement_and_every_rank_sees_the_maxima_one_step_later(tmp_path):
-    script = tmp_path / "values.py"
-    script.write_text(_VALUES_WORKER)
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    store = str(tmp_path / "store")
-    workers = [
-        subprocess.Popen([sys.executable, str(script), str(rank), store], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
-        for rank in range(2)
-    ]  # fmt: skip
-    try:
-        outputs = [worker.communicate(timeout=120) for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
     expected = [[False, None]] + [[False, [10.0 * (step - 1), 100.0 * (step - 1)]] for step in range(2, 5)]
-    for worker, (out, err) in zip(workers, outputs):
-        assert worker.returncode == 0, err
-        assert json.loads(out) == expected
+    for rank in run_ranks(tmp_path, _VALUES_WORKER, 2):
+        assert json.loads(rank.stdout) == expected
 
 
 # --- after the stop checkpoint ---------------------------------------------------------------
