@@ -194,13 +194,13 @@ def decide(seen: Seen, min_nodes: int, max_nodes: int, now: float, deadline: flo
         if seen.registered == r and seen.rejected != r and seen.joined != r:
             return Step.CHECK_MEMBERSHIP, f"round {r}, which this node registered for, is complete"
         if seen.joined == r:
-            wants, why = True, f"this node was a member of round {r} and needs a new round"
+            why = f"this node was a member of round {r} and needs a new round"
         elif seen.size is None:
             return Step.MEASURE, f"round {r} is complete without this node; is it full?"
         elif seen.size < max_nodes:
-            wants, why = True, f"round {r} has {seen.size} of at most {max_nodes} members; this node joins the next"
+            why = f"round {r} has {seen.size} of at most {max_nodes} members; this node joins the next"
         elif seen.member_left:
-            wants, why = True, f"a member of the full round {r} is gone; this spare node joins the next round"
+            why = f"a member of the full round {r} is gone; this spare node joins the next round"
         else:
             return Step.WAIT_REDUNDANT, f"round {r} is full ({seen.size} members); waiting as a spare"
         if now > deadline:

@@ -17,7 +17,6 @@ import venv
 from importlib.metadata import distribution
 from pathlib import Path
 
-import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
