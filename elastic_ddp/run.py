@@ -65,6 +65,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from elastic_ddp.faults import at_step
 from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
@@ -86,6 +87,7 @@ from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier
 from elastic_ddp.metrics import Metrics, create_metrics
 from elastic_ddp.resume import Resumed, init_from, record_resume, resume
 from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful
+from elastic_ddp.step_guard import StepGuard
 from elastic_ddp.step_metrics import StepMetrics, timed
 from elastic_ddp.stop import (
     EXIT_CONFIG, EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, flush_and_exit, report_settings_error,
@@ -112,6 +114,15 @@ def _registered(name: str, obj: object) -> Stateful:
         return as_stateful(name, obj)
     except (TypeError, ValueError) as exc:
         raise RunError(f"run.setup(): {exc}") from None
+
+
+def _lockstep(objects: Mapping[str, Stateful]) -> frozenset[str]:
+    """The registered objects that change alike on every rank by construction: the data position (the
+    run sets it), and a scheduler that follows the optimizer's steps (not ReduceLROnPlateau, which
+    follows a metric that may be a rank's own)."""
+    scheduler = objects.get(SCHEDULER)
+    follows_steps = isinstance(scheduler, LRScheduler) and not isinstance(scheduler, ReduceLROnPlateau)
+    return frozenset({DATA, SCHEDULER} if follows_steps else {DATA})
 
 
 class DataState:
@@ -261,6 +272,7 @@ class _Session:
     memory: MemoryTier | None  # None: the memory tier is off
     metrics: Metrics
     resumed: Resumed
+    guard: StepGuard | None  # with the memory tier: what a failed step changed (see Run._keep_failed_step)
     memory_off: str | None = None  # why the memory tier stopped during the loop (reported once)
 
 
@@ -399,7 +411,10 @@ class Run:
         self._events.clear()
         if resumed.tier is not None:
             resumed = record_resume(resumed, metrics, self.failures, is_main=self.is_main, world_size=self.world_size)
-        self._session = _Session(ddp, optimizer, objects, checkpoints, memory, metrics, resumed)
+        guard = None
+        if memory is not None:
+            guard = StepGuard(model, {name: obj for name, obj in objects.items() if name not in (MODEL, OPTIMIZER, DATA)})
+        self._session = _Session(ddp, optimizer, objects, checkpoints, memory, metrics, resumed, guard)
         return ddp
 
     def _register(
@@ -475,7 +490,7 @@ class Run:
         )  # fmt: skip
         ledger = StepLedger(self.cfg.run.dir, rank=self.rank, world_size=self.world_size, resume_step=self.step,
                             enabled=data.ledger)  # fmt: skip
-        memory, metrics, every = session.memory, session.metrics, self.cfg.checkpoint.every_steps
+        memory, metrics, every, guard = session.memory, session.metrics, self.cfg.checkpoint.every_steps, session.guard
         agreement = StopAgreement(self._stop_signal, self._control, values=REPORT_SIZE)
         if self.step >= end:
             log.info("[%d/%d] Nothing to train: the run is at step %d of %d.", self.rank, self.step, self.step, end)
@@ -492,16 +507,21 @@ class Run:
                 at_step(batch.step, self.rank)  # fault-injection tests only; one dict lookup otherwise
                 step = Step(batch, session.ddp, self.device)
                 self._in_step = batch.step
+                ledger.started(batch.step, batch.rank_indices)
+                if guard is not None:
+                    guard.begin()
                 yield step
                 step._check_complete()
                 self.step, self._data.cursor = batch.step, batch.cursor_after
+                if guard is not None:
+                    guard.end()
                 self.failures.step = self.step
                 stop = agreement.after_step(memory.report() if memory is not None else (0.0,) * REPORT_SIZE)
                 exiting = self.step == end
                 loss = None
                 if data.ledger or metrics.should_log(self.step):
                     loss = self._global_loss(step)
-                ledger.record(self.step, batch.rank_indices, loss if loss is not None else float("nan"))
+                ledger.finished(self.step, loss if loss is not None else float("nan"))
                 if memory is not None:
                     # After the ledger line: a state in node memory is a step this rank has on record.
                     memory.after_step(self.step, session.state, agreement.agreed)
@@ -539,6 +559,30 @@ class Run:
         log.warning("[%d/%d] The stop's state could not be committed to node memory on every rank; committing it "
                     "to the durable tier instead.", self.rank, self.step)  # fmt: skip
         return False
+
+    def _keep_failed_step(self) -> None:
+        """After an exception in the loop (a peer died in a collective, the script's own error): keep the
+        state after the last completed step in this node's memory, so that the restart redoes no step.
+
+        Between steps the state is that step's as it is; within one, when the failed step changed
+        nothing but the model's buffers, which are put back first (:class:`StepGuard`). No collective.
+        """
+        session = self._session
+        if session is None or session.guard is None or session.memory is None or not self._in_step:
+            return
+        why = session.guard.changed()
+        if why is None:
+            session.guard.restore()
+            try:
+                why = session.memory.keep(self.step, session.state, _lockstep(session.state))
+            except Exception as exc:  # noqa: BLE001 - the failure to report is the step's; this one only costs steps
+                why = f"{type(exc).__name__}: {exc}"
+        if why is None:
+            log.info("[%d/%d] The loop failed; the state after step %d is in this node's memory for the restart.",
+                     self.rank, self.step, self.step)  # fmt: skip
+        else:
+            log.info("[%d/%d] The loop failed; the state after step %d is not kept in node memory (%s).",
+                     self.rank, self.step, self.step, why)  # fmt: skip
 
     def _seed_step(self, step: int) -> None:
         # Every random generator of this process starts each step from a seed derived from the run's
@@ -640,7 +684,11 @@ def launch(
     try:
         run = Run(cfg, stop_signal)
         with run.failures:  # a crash that recurs at the same step ends with one clear error
-            main(run)
+            try:
+                main(run)
+            except Exception:
+                run._keep_failed_step()
+                raise
         code = run.finish()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else EXIT_FAILED

@@ -1,10 +1,12 @@
 """An audit trail of what every optimizer step consumed: each rank's sample indices and the loss.
 
-With ``data.ledger`` on, each rank appends one JSON line per optimizer step to
-``<run dir>/ledger/rank-<R>.jsonl``. Every worker start first writes a header naming its attempt
-(:func:`elastic_ddp.distributed.attempt_id`: the same on every rank of one worker group, whichever
-node it runs on), the step it resumed from and the world size. Lines are flushed as they are
-written, so a node killed with SIGKILL leaves every step it completed on record.
+With ``data.ledger`` on, each rank appends two JSON lines per optimizer step to
+``<run dir>/ledger/rank-<R>.jsonl``: the samples as the step starts, the loss once it completed.
+Every worker start first writes a header naming its attempt (:func:`elastic_ddp.distributed.attempt_id`:
+the same on every rank of one worker group, whichever node it runs on), the step it resumed from
+and the world size. Lines are flushed as they are written, so a node killed with SIGKILL leaves
+every step it started on record -- also one whose update the others completed without it (it died
+after its gradients went into the all-reduce), which the job's state then holds.
 
 Records (one JSON object a line; docs/data.md has the details):
 
@@ -28,20 +30,23 @@ header field    type       meaning
 ==============  =========  =================================================================
 step field      type       meaning
 ==============  =========  =================================================================
-``step``        int        the optimizer step just completed (1-based)
+``step``        int        the optimizer step (1-based): starting (with ``indices``) or
+                           completed (with ``loss``); a line may carry both
 ``indices``     list[int]  this rank's sample indices of the step, in training order
 ``loss``        float      the step's global loss (all ranks' samples; float64, as computed)
 ==============  =========  =================================================================
 
 :func:`read_ledger` groups the headers of all files into attempts, orders the attempts as they ran
 and follows the job's state back from the last one: an attempt that resumed from step ``s``
-continues the latest earlier attempt that reached ``s``, so steps that others recorded after ``s``
-were redone or belong to a state no later attempt started from. The result is the history of the
+continues the latest earlier attempt that completed ``s``, so steps that others recorded after ``s``
+were redone or belong to a state no later attempt started from; a step is complete where some rank
+recorded its loss, or where a later attempt resumed from it (its loss is then NaN: the step's
+update was kept when a peer died in the collectives after it). The result is the history of the
 job as its checkpoints tell it: for every step, which samples each rank of that moment consumed.
 Tests use it to check that no sample was consumed twice or skipped across restarts, node losses
 and world-size changes; operators can use it to audit a real run.
 
-Cost: one line of ``global_batch_size / world_size`` integers per rank and step.
+Cost: one line of ``global_batch_size / world_size`` integers and one of the loss per rank and step.
 """
 
 from __future__ import annotations
@@ -78,10 +83,15 @@ class StepLedger:
             "rank": rank, "restart": int(os.environ.get(ENV_RESTART_COUNT, "0") or 0), "time": time.time(),
         })  # fmt: skip
 
-    def record(self, step: int, indices: list[int], loss: float) -> None:
-        """Step ``step`` (counted after the optimizer step) consumed ``indices`` on this rank."""
+    def started(self, step: int, indices: list[int]) -> None:
+        """Step ``step`` (counted after its optimizer step) starts, consuming ``indices`` on this rank."""
         if self._file is not None:
-            self._write({"step": step, "indices": indices, "loss": loss})
+            self._write({"step": step, "indices": indices})
+
+    def finished(self, step: int, loss: float) -> None:
+        """Step ``step`` completed with the global ``loss``."""
+        if self._file is not None:
+            self._write({"step": step, "loss": loss})
 
     def close(self) -> None:
         if self._file is not None:
@@ -100,7 +110,7 @@ class LedgerStep:
 
     step: int
     world_size: int
-    loss: float
+    loss: float  # NaN where no rank recorded it (see the module docstring)
     indices: dict[int, list[int]] = field(default_factory=dict)  # rank -> sample indices
 
     @property
@@ -118,12 +128,13 @@ class _Attempt:
     started: float  # the earliest of its headers' times
     resume_step: int
     world_size: int
-    steps: dict[int, LedgerStep] = field(default_factory=dict)
+    steps: dict[int, LedgerStep] = field(default_factory=dict)  # started (and maybe completed)
+    done: set[int] = field(default_factory=set)  # steps some rank recorded as completed
 
     @property
     def reach(self) -> int:
-        """The last step this attempt's state passed through."""
-        return max(self.steps, default=self.resume_step)
+        """The last step this attempt's state is known to have completed."""
+        return max(self.done, default=self.resume_step)
 
 
 def read_ledger(run_dir: str | os.PathLike) -> dict[int, LedgerStep]:
@@ -169,14 +180,20 @@ def read_ledger(run_dir: str | os.PathLike) -> dict[int, LedgerStep]:
                     current.started = min(current.started, started)
                     continue
                 step = int(record["step"])
-                indices = [int(i) for i in record["indices"]]
-                loss = float(record["loss"])
+                indices = [int(i) for i in record["indices"]] if "indices" in record else None
+                loss = float(record["loss"]) if "loss" in record else None
+                if indices is None and loss is None:
+                    raise KeyError("indices or loss")
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a ledger record ({exc})") from None
             if current is None:
                 raise ValueError(f"{path}:{number}: a step record before any attempt header")
-            entry = current.steps.setdefault(step, LedgerStep(step, current.world_size, loss))
-            entry.indices[rank] = indices
+            entry = current.steps.setdefault(step, LedgerStep(step, current.world_size, math.nan))
+            if indices is not None:
+                entry.indices[rank] = indices
+            if loss is not None and step not in current.done:
+                entry.loss = loss
+                current.done.add(step)
         sequences.append(sequence)
     return _lineage(_in_order(attempts, sequences))
 
@@ -215,7 +232,8 @@ def _lineage(order: list[_Attempt]) -> dict[int, LedgerStep]:
     """The steps that led to the last attempt's state: its own, then, up to the step it resumed
     from, those of the attempt it continued, and so on back to a fresh start."""
     history: dict[int, LedgerStep] = {}
-    index, limit = len(order) - 1, math.inf
+    index = len(order) - 1
+    limit = order[index].reach if order else 0  # the last attempt: up to its last completed step
     while index >= 0 and limit > 0:
         attempt = order[index]
         history.update((step, entry) for step, entry in attempt.steps.items() if step <= limit)

@@ -103,6 +103,9 @@ class SplitCheck:
         self._device = device
         self._check_device = device if device.type == "cuda" else torch.device("cpu")
         self.plan: Plan | None = None
+        # This rank's side (elastic_ddp.checkpoint.divergence.values) of the last comparison that found
+        # the plan holding on every rank, on the host; None until one did.
+        self.verified: torch.Tensor | None = None
 
     def split(self, trees: dict[str, Any], state: Mapping[str, Any]) -> tuple[Split | None, Callable[[], str | None] | None]:
         """The split of ``trees``, and the wait for the check's verdict (None at a decision)."""
@@ -113,6 +116,8 @@ class SplitCheck:
             split = classify(trees, synced=synced, all_max=all_max)
             if self._group is not None:
                 self.plan = plan_of(split, trees, synced)
+                # The decision compared every rank's values: they are the verified ones.
+                self.verified = values(self.plan, trees, split, self._check_device).cpu()
             return split, None
         split = split_as(self.plan, trees, synced)
         return split, self._start_check(values(self.plan, trees, split, self._check_device))
@@ -141,9 +146,37 @@ class SplitCheck:
         def verdict() -> str | None:
             ready()
             result = host.tolist()
-            return stale(plan, result[:count], [~v for v in result[count:]])
+            why = stale(plan, result[:count], [~v for v in result[count:]])
+            if why is None:
+                self.verified = mine.cpu()
+            return why
 
         return verdict
+
+    def unchanged(self, trees: dict[str, Any], split: Split | None, lockstep: frozenset[str]) -> str | None:
+        """No collective: None when this rank's values of what the plan stores once are those of the last
+        comparison that held on every rank, else which one changed. What a rank keeps per rank may
+        change; so may the objects in ``lockstep``, which change alike on every rank by construction
+        (the run's data position; a scheduler that follows the optimizer's steps). Anything else
+        stored once that changed since may have started to differ across ranks, which this rank
+        alone cannot tell."""
+        plan = self.plan
+        if plan is None or self.verified is None or split is None:
+            return "no comparison of the ranks' values has held yet"
+        now = values(plan, trees, split, self._check_device).cpu().tolist()
+        then = self.verified.tolist()
+        if now[0] != then[0]:
+            return "the state's structure changed"
+        for k, name in enumerate(plan.compared, start=1):
+            if now[k] != then[k] and name not in plan.own and name not in lockstep:
+                return f"the plain values of {name!r}, stored once for every rank, changed"
+        base = 1 + len(plan.compared)
+        for k, i in enumerate(plan.checked):
+            a = base + 2 * k
+            owner = split.paths[i][0]
+            if now[a : a + 2] != then[a : a + 2] and i not in plan.per_rank and owner not in lockstep:
+                return f"a tensor of {owner!r} ({path_text(split.paths[i])}), stored once for every rank, changed"
+        return None
 
 
 @dataclass
@@ -308,8 +341,14 @@ class BackgroundWriter:
                 f"The node's other ranks did not finish the memory-tier save of step {previous[1]} within "
                 f"{self.timeout_s:.0f} s (checkpoint.timeout_s)."
             )
+        self.commit_part(slot, record, buffer)
+
+    def commit_part(self, slot: int, record: PartRecord, buffer: torch.Tensor, threads: int | None = None) -> None:
+        """Write this rank's part into ``slot`` and commit it; the node's other slot must hold its newest
+        complete state (until the commit, this slot's part is uncommitted: never half of two states)."""
         self.store.uncommit(slot, record.part)
-        size, checksum = self.store.write(slot, record.part, [memoryview(buffer.numpy()).cast("B")], self.threads)
+        data = [memoryview(buffer.numpy()).cast("B")]
+        size, checksum = self.store.write(slot, record.part, data, threads or self.threads)
         self.store.commit(slot, replace(record, size=size, checksum=checksum))
 
     def wait(self) -> None:
@@ -361,6 +400,42 @@ class Saver:
         # On GPUs what the device-to-host copies cost the training stream, timed at the previous save.
         self.times.copies_s = self._staging.copies.cost_s if staged.copies is not None else 0.0
         return self._clock() - started - self.times.waited_s
+
+    def keep(self, step: int, state: Mapping[str, Any], *, lockstep: frozenset[str], wait_s: float,
+             threads: int) -> str | None:  # fmt: skip
+        """No collective, after a failed step: write this rank's part of the state after ``step`` into the
+        node's memory and commit it, now; None when committed, else why not.
+
+        The part is cut as the last save's plan says and written to the slot the next save would use,
+        once the other slot holds the previous save complete (waited for up to ``wait_s``: the node's
+        other ranks may still be writing it). Only when this rank's values of what the plan stores once
+        are unchanged since the last comparison that held on every rank: the node then holds step
+        ``step`` complete if all its ranks keep it, and nothing of it is one rank's value standing for
+        another's.
+        """
+        plan = self._split.plan
+        if self.local_failure or plan is None:
+            return self.local_failure or "no save of this attempt has split the state yet"
+        trees = state_dicts(state)
+        split = split_as(plan, trees, synced_paths(state))
+        why = self._split.unchanged(trees, split, lockstep)
+        if why is not None:
+            return why
+        previous = self.slots.previous
+        if previous is not None and not self.writer.store.wait_complete(*previous, timeout_s=wait_s):
+            return f"the node's save of step {previous[1]} is not complete"
+        staged = self._staging.stage(step, split, state, self._clock)
+        if staged.copies is not None:
+            staged.copies.wait()
+        self.writer.commit_part(self.slots.slot, staged.record, staged.buffer, threads)
+        self.slots.advance(step)
+        return None
+
+    def retract(self) -> None:
+        """After the save in flight failed (:meth:`wait`), before anything else: it committed nothing, so the
+        slots are as before it and this rank may save again."""
+        self.slots.undo()
+        self.local_failure = None
 
     def wait(self) -> Outcome:
         """Wait for the save in flight; :attr:`local_failure` says why when it failed."""

@@ -36,6 +36,11 @@ __all__ = ["REPORT_SIZE", "MemoryTier", "MemoryTierError", "NodeOffer", "Survey"
 
 log = logging.getLogger(__name__)
 
+# How long a keep after a failed step waits for the node's other ranks to finish the save in flight:
+# they wait for their own writes first, so it is done at once or never (its check needed a peer that
+# is gone), and the restart waits for this.
+KEEP_WAIT_S = 3.0
+
 
 def _now() -> float:
     """The tier's clock (``time`` is looked up at each call, so a test can move it)."""
@@ -164,6 +169,29 @@ class MemoryTier:
         # values no longer split as planned) or fail.
         ok = self._saver.local_failure is None and step in self.store.own_parts(self.ranks.rank, self.ranks.world_size)
         return all_ok(self._resume.group, ok)
+
+    def keep(self, step: int, state: Mapping[str, Any], lockstep: frozenset[str] = frozenset()) -> str | None:
+        """No collective, after a failed step: the state after ``step`` (the last completed one) committed to
+        this node's memory now, for the restart to resume from; None when this rank's part of it is
+        committed (by an earlier save or now), else why not.
+
+        The caller vouches that ``state`` is exactly that after ``step`` (see
+        :class:`elastic_ddp.step_guard.StepGuard`) and names the objects that change alike on every
+        rank by construction (``lockstep``, see :meth:`.saver.SplitCheck.unchanged`). The node holds the step complete when every local
+        rank kept it; a node where one did not keeps its previous states as they were.
+        """
+        if not self.enabled or self.failed:
+            return self.failed or "the memory tier is off"
+        outcome = self._saver.wait()
+        if outcome is Outcome.FAILED:
+            # Most often the comparison that the save in flight waits for, an all-reduce that needed the
+            # peer now gone: nothing of it was committed, so its slot is free again for this state.
+            self._saver.retract()
+        previous = self._saver.slots.previous
+        if previous is not None and previous[1] == step:
+            return None
+        return self._saver.keep(step, state, lockstep=lockstep, wait_s=min(self._saver.writer.timeout_s, KEEP_WAIT_S),
+                                threads=self._resume.read_threads)  # fmt: skip
 
     def save(self, step: int, state: Mapping[str, Any]) -> float:
         """Stage this rank's part of the state after ``step`` and write it in the background; the stall (s).

@@ -21,7 +21,9 @@ steps the logs showed before the kill. Added test time: 69 s on a shared 2-core 
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -34,6 +36,7 @@ from elastic_ddp.checkpoint.manager import list_checkpoints
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.data import read_ledger
 from tests.helpers.job import CLASSIFIER, Job, report, resumed_steps
+from tests.helpers.nodes import worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -260,6 +263,59 @@ def test_with_no_memory_flags_the_survivor_of_rank0s_node_resumes_from_its_own_m
     # The newest state is at most one interval old, or two when the kill caught its write in flight.
     assert 0 <= redone <= 2 * interval, (before, record, interval)
     assert record["step"] > 0 and record["step"] % 50, "resumed from a durable checkpoint's step, not from memory"
+
+
+def redone_steps(run_dir: Path) -> list[int]:
+    """The steps a rank's ledger shows completed (their loss recorded) and then started again."""
+    again: set[int] = set()
+    for path in (run_dir / "ledger").glob("rank-*.jsonl"):
+        completed: set[int] = set()
+        for record in map(json.loads, path.read_text(encoding="utf-8").splitlines()):
+            if "loss" in record:
+                completed.add(record["step"])
+            elif "indices" in record and record["step"] in completed:
+                again.add(record["step"])
+    return sorted(again)
+
+
+@pytest.mark.parametrize("lost", ["node", "worker"])
+def test_a_failed_step_costs_no_step_at_the_default_interval_the_survivors_keep_the_last_one(lost, etcd_endpoint, tmp_path):
+    # Three machines, the language-model recipe with no memory-tier flag: saves are steps apart (the
+    # budget), so what the restart redoes is what the survivors kept when the step after failed.
+    job = Job(etcd_endpoint, tmp_path, nnodes="1:3",
+              flags=["--train.max_steps=100000", "--checkpoint.every_steps=1000", "--data.ledger=true"])  # fmt: skip
+    try:
+        for machine in ("a", "b", "c"):
+            (tmp_path / machine).mkdir()
+            job.add_node(cwd=tmp_path / machine)
+        job.wait_for_step(random.randint(60, 90), world_size=3)
+        victim = job.nodes[random.randrange(3)]
+        mark, t0 = job.mark(), time.monotonic()
+        if lost == "node":
+            victim.kill()
+        else:
+            [worker] = worker_pids(victim.pid)
+            os.kill(worker, signal.SIGKILL)  # its agent restarts the group, at the same world size
+        recovery_s = job.wait_for_training_since(mark, t0, world_size=2 if lost == "node" else 3)
+        after = job.output_since(mark)
+        job.wait_for_step(job.last_step() + 5)
+        for node in job.nodes:
+            node.terminate()
+        for node in job.nodes:
+            node.wait(timeout=120)
+    finally:
+        job.cleanup()
+    [record] = resume_records(job)
+    assert record["tier"] == "memory", record
+    interval = max(interval_steps(job.run_dir))
+    assert interval > 2, f"saves every {interval} steps: this test needs them further apart"
+    assert "is in this node's memory for the restart" in after, after[-4000:]
+    redone = redone_steps(job.run_dir)
+    print(f"lost a {lost} of 3; resumed from node memory at step {record['step']}; redone {redone}; save interval "
+          f"{interval:.0f}; recovery {recovery_s:.1f} s")  # fmt: skip
+    assert len(redone) <= 1 and record["steps_redone"] <= 1, (redone, record)
+    history = read_ledger(job.run_dir)
+    assert list(history) == list(range(1, max(history) + 1))
 
 
 def test_a_tmpfs_too_small_for_the_tier_turns_it_off_in_one_line_and_training_goes_on(tmp_path):

@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"distributed", "stop", "prestart", "checkpoint"},
     {"data", "failures", "lifecycle", "memory", "rendezvous"},
     {"metrics", "tensorboard_cli", "nn"},
-    {"step_metrics", "resume"},
+    {"step_metrics", "step_guard", "resume"},
     {"run", "cli"},
 ]
 

@@ -11,6 +11,7 @@ clock per host; the samples of each step come from the real data order.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -83,8 +84,10 @@ class Job:
         for step in range(resume + 1, last + 1):
             self._now += 0.2
             writers = recorded_last if step == last and recorded_last is not None else range(world_size)
+            for rank in range(world_size):
+                ledgers[rank].started(step, rank_slice(ORDER[step - 1], rank, world_size))
             for rank in writers:
-                ledgers[rank].record(step, rank_slice(ORDER[step - 1], rank, world_size), loss + step)
+                ledgers[rank].finished(step, loss + step)
         for each in ledgers.values():
             each.close()
         self._now += 2.0  # the agents notice, stop the workers and meet again
@@ -137,6 +140,29 @@ def test_a_resume_from_a_newer_state_than_the_attempt_before_continues_the_one_t
     job.group([a, b, c], resume=28, last=35)
     history = read_ledger(tmp_path)
     assert_history(history, {range(1, 36): 3})
+
+
+def test_a_step_whose_loss_no_rank_recorded_counts_where_the_next_attempt_resumed_after_it(tmp_path, monkeypatch):
+    job = Job(tmp_path, monkeypatch, rounds=True)
+    a, b, c = Agent("10.0.0.1"), Agent("10.0.0.2"), Agent("10.0.0.3")
+    # Node c dies after its gradients of step 12 went into the all-reduce: every rank started step
+    # 12, none recorded its loss (that all-reduce failed), and a and b kept the state after it.
+    job.group([a, b, c], resume=0, last=12, recorded_last=set())
+    job.group([a, b], resume=12, last=20)
+    history = read_ledger(tmp_path)
+    assert_history(history, {range(1, 13): 3, range(13, 21): 2})
+    assert math.isnan(history[12].loss) and history[11].loss == 11.0 and history[13].loss == 13.0
+    # Had they kept step 11 (c died in step 12's all-reduce), step 12 comes from the attempt that redid it.
+    job = Job(tmp_path / "again", monkeypatch, rounds=True)
+    job.group([a, b, c], resume=0, last=12, recorded_last=set())
+    job.group([a, b], resume=11, last=20)
+    assert_history(read_ledger(tmp_path / "again"), {range(1, 12): 3, range(12, 21): 2})
+
+
+def test_the_last_attempts_step_that_no_rank_completed_is_not_history(tmp_path, monkeypatch):
+    job = Job(tmp_path, monkeypatch, rounds=True)
+    job.group([Agent("10.0.0.1"), Agent("10.0.0.2")], resume=0, last=9, recorded_last=set())
+    assert list(read_ledger(tmp_path)) == list(range(1, 9))
 
 
 def test_a_one_node_job_launched_again_with_the_same_port_and_restart_count_is_another_attempt(tmp_path, monkeypatch):
@@ -229,7 +255,8 @@ def test_the_exactly_once_verdict_names_what_is_wrong():
 def test_a_header_names_the_agents_restart_count_0_outside_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     ledger = StepLedger(tmp_path, rank=0, world_size=1, resume_step=0, enabled=True)
-    ledger.record(1, [0, 1], 0.5)
+    ledger.started(1, [0, 1])
+    ledger.finished(1, 0.5)
     ledger.close()
     header = json.loads((tmp_path / "ledger" / "rank-0.jsonl").read_text().splitlines()[0])
     assert header["restart"] == 2
