@@ -190,6 +190,12 @@ class MemoryTier:
         previous = self._saver.slots.previous
         if previous is not None and previous[1] == step:
             return None
+        # Every rank waits for the slowest keep before it trains again: worth it only where redoing the
+        # steps since the last save would take longer than writing this one (medians of this attempt).
+        measured = self._interval.report(failed=False)
+        if previous is not None and (step - previous[1]) * measured.step_s < measured.write_s:
+            return (f"redoing {step - previous[1]} step(s) ({measured.step_s * 1e3:.0f} ms each) costs less than "
+                    f"writing them ({measured.write_s * 1e3:.0f} ms)")
         return self._saver.keep(step, state, lockstep=lockstep, wait_s=min(self._saver.writer.timeout_s, KEEP_WAIT_S),
                                 threads=self._resume.read_threads)  # fmt: skip
 
