@@ -226,11 +226,12 @@ def interval_steps(run_dir: Path) -> list[float]:
 
 
 def ledger_last_step(run_dir: Path) -> int:
-    """The last step any rank recorded (the ledger is flushed line by line: a SIGKILL loses none)."""
+    """The last step any rank recorded as completed (the ledger is flushed line by line: a SIGKILL loses none)."""
     last = 0
     for path in (run_dir / "ledger").glob("rank-*.jsonl"):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            last = max(last, json.loads(line).get("step", 0))
+        for record in map(json.loads, path.read_text(encoding="utf-8").splitlines()):
+            if "loss" in record:
+                last = max(last, record["step"])
     return last
 
 
