@@ -15,7 +15,8 @@ second node is killed with all its processes (tests.helpers.nodes semantics).
   then is the store host; killing the host instead loses the whole job, see docs/rendezvous.md).
 
 Measured on the survivor: seconds from the kill to its first step line at world size 1, and the
-steps lost (the newest step reached before the kill minus the step resumed from). For ``ours``
+steps lost (the newest step rank 0 printed before the kill minus the step resumed from; -1 when the
+survivor completed one more step with the victim's gradients and kept it). For ``ours``
 the recovery is cut into its phases by the survivor's own log lines, stamped as they arrive
 (:data:`PHASES`): detection (the agent asks for a new round), round formation, worker start
 (interpreter, imports, process group), resume (the tiers surveyed and the state restored) and the
