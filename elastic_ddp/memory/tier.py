@@ -182,6 +182,10 @@ class MemoryTier:
         """
         if not self.enabled or self.failed:
             return self.failed or "the memory tier is off"
+        if self.ranks.local_rank == 0:
+            # The node completed it, kept or not: a failure after a step's update but before its
+            # bookkeeping must count the step as done, or the restart would count -1 steps redone.
+            self.store.note_step(step)
         outcome = self._saver.wait()
         if outcome is Outcome.FAILED:
             # Most often the comparison that the save in flight waits for, an all-reduce that needed the
