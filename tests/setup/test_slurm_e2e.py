@@ -201,13 +201,14 @@ def submit(
 
 
 def attempts(run_dir: Path, rank: int = 0) -> list[tuple[int, list[int]]]:
-    """(resume step, steps trained) of each attempt, as rank ``rank``'s ledger file lists them."""
+    """(resume step, steps trained) of each attempt, as rank ``rank``'s ledger file lists them: the steps
+    whose end (their loss) it recorded."""
     found: list[tuple[int, list[int]]] = []
     for line in (run_dir / "ledger" / f"rank-{rank}.jsonl").read_text().splitlines():
         record = json.loads(line)
         if "attempt" in record:
             found.append((record["resume_step"], []))
-        else:
+        elif "loss" in record:
             found[-1][1].append(record["step"])
     return found
 
