@@ -575,7 +575,9 @@ class Run:
             session.guard.restore()
             try:
                 why = session.memory.keep(self.step, session.state, _lockstep(session.state))
-            except Exception as exc:  # noqa: BLE001 - the failure to report is the step's; this one only costs steps
+            except (OSError, RuntimeError, ValueError) as exc:
+                # tmpfs full or gone, a part the node's memory refused, a state no longer cut as planned:
+                # the failure to report stays the step's; this one only costs the restart its steps.
                 why = f"{type(exc).__name__}: {exc}"
         if why is None:
             log.info("[%d/%d] The loop failed; the state after step %d is in this node's memory for the restart.",
