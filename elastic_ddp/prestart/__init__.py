@@ -5,7 +5,12 @@ process per rank, and before its first line of training each one imports torch (
 measured in benchmarks/RESULTS.md, ``recovery``), this library and ``torch._dynamo`` (which torch's
 optimizers import when the first one is made): two thirds of a restart's time. So the agent keeps a
 **template**: one process per node, started by this package's rendezvous handler when the agent
-starts, that imports all of that once and then waits. Each worker torchrun starts asks the template
+starts, that imports all of that once and then waits. It serves as soon as torch is in, which is all
+a job's first formation waits for (its workers would import as much from scratch). The rest is
+imported by its *successor*, a fork of it that then serves in its place, so that the template never
+stops serving to import: started once the template has forked its first worker, or when its agent
+asks (:meth:`Template.warm_up`: a node joining a running job, whose arrival restarts every rank),
+or after a few seconds without either. Each worker torchrun starts asks the template
 for a copy of itself (a fork) that runs the script, and then only relays: its signals to the copy,
 the copy's exit status back to torchrun.
 
@@ -37,21 +42,24 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["ENV_SOCKET", "ENV_SWITCH", "SHIM_DIR", "TEMPLATE_SCRIPT", "Template", "without_shim"]
+__all__ = ["ENV_PID", "ENV_SOCKET", "ENV_SWITCH", "SHIM_DIR", "TEMPLATE_SCRIPT", "Template", "without_shim"]
 
 log = logging.getLogger(__name__)
 
 ENV_SOCKET = "ELASTIC_DDP_PRESTART_SOCKET"
+ENV_PID = "ELASTIC_DDP_PRESTART_PID"
 ENV_SWITCH = "ELASTIC_DDP_PRESTART"
 SHIM_DIR = str(Path(__file__).resolve().parent / "shim")
 # Run by its path, not as a module of this package: the package imports torch, and the template
 # must count the threads of a process that has imported nothing yet (template.fork_hazard).
 TEMPLATE_SCRIPT = str(Path(__file__).resolve().parent / "template.py")
+WARM_SUFFIX = ".warm"  # template.WARM_SUFFIX: the file beside the socket once every import is done
 
 
 class Template:
@@ -64,7 +72,7 @@ class Template:
 
     def __init__(self, directory: str) -> None:
         self.socket_path = os.path.join(directory, "prestart.sock")
-        env = {k: v for k, v in os.environ.items() if k != ENV_SOCKET}
+        env = {k: v for k, v in os.environ.items() if k not in (ENV_SOCKET, ENV_PID)}
         self._process: subprocess.Popen | None = subprocess.Popen(
             [sys.executable, TEMPLATE_SCRIPT, self.socket_path, str(os.getpid())],
             env=env, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -75,10 +83,26 @@ class Template:
         return self._process is not None and self._process.poll() is None
 
     def wait_ready(self, timeout_s: float) -> bool:
-        """Wait until the template serves (its imports done) or is gone; True when it serves."""
+        """Wait until the template serves (torch imported) or is gone; True when it serves."""
+        return self._wait_for(self.socket_path, timeout_s)
+
+    def warm_up(self, timeout_s: float) -> bool:
+        """Have the template import the rest of what a worker imports now, not when it is next idle,
+        and wait until it has or is gone; True when it has."""
+        deadline = time.monotonic() + timeout_s
+        if not self.wait_ready(timeout_s):  # its SIGUSR1 handler is set before it serves
+            return False
+        if self._process is not None and self._process.poll() is None:
+            try:
+                self._process.send_signal(signal.SIGUSR1)
+            except OSError:
+                return False
+        return self._wait_for(self.socket_path + WARM_SUFFIX, deadline - time.monotonic())
+
+    def _wait_for(self, path: str, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while self._process is not None and self._process.poll() is None:
-            if os.path.exists(self.socket_path):
+            if os.path.exists(path):
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -86,10 +110,12 @@ class Template:
         return False
 
     def environment(self) -> dict[str, str]:
-        """``PYTHONPATH`` with the shim first, and the template's socket."""
+        """``PYTHONPATH`` with the shim first, the template's socket and its pid (a worker that starts
+        while the template is still importing torch waits for it while it lives)."""
         path = os.environ.get("PYTHONPATH", "")
         parts = [p for p in path.split(os.pathsep) if p and p != SHIM_DIR]
-        return {"PYTHONPATH": os.pathsep.join([SHIM_DIR, *parts]), ENV_SOCKET: self.socket_path}
+        pid = str(self._process.pid) if self._process is not None else ""
+        return {"PYTHONPATH": os.pathsep.join([SHIM_DIR, *parts]), ENV_SOCKET: self.socket_path, ENV_PID: pid}
 
     def close(self, timeout_s: float = 5.0) -> None:
         """End the template (its forked workers are torchrun's to stop, and were)."""
@@ -104,15 +130,17 @@ class Template:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        try:
-            os.unlink(self.socket_path)
-        except OSError:
-            pass
+        for path in (self.socket_path, self.socket_path + WARM_SUFFIX):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def without_shim(environ: dict[str, str]) -> None:
     """Remove what :meth:`Template.environment` added from ``environ`` (in place)."""
     environ.pop(ENV_SOCKET, None)
+    environ.pop(ENV_PID, None)
     parts = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != SHIM_DIR]
     if parts:
         environ["PYTHONPATH"] = os.pathsep.join(parts)

@@ -1,8 +1,9 @@
 """The template process: ``python .../elastic_ddp/prestart/template.py SOCKET AGENT_PID`` (see the package).
 
-One thread throughout, so that each fork copies a consistent process: the imports, then a loop over
-the listening socket, the relays' connections (a closed one: its worker is killed) and finished
-workers (their status goes to their relay).
+One thread throughout, so that each fork copies a consistent process: the first imports (torch),
+then a loop over the listening socket, the relays' connections (a closed one: its worker is killed)
+and finished workers (their status goes to their relay). The rest of what a worker imports is
+imported by a successor (:class:`_Successor`), a fork that then serves in the template's place.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 import traceback
 
 _spec = importlib.util.spec_from_file_location("_elastic_ddp_prestart_wire", os.path.join(os.path.dirname(__file__), "wire.py"))
@@ -35,9 +37,21 @@ PER_WORKER = frozenset({
 })  # fmt: skip
 PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_DDP_")
 
-# What a worker of this library imports before its first step; a module that cannot be imported
-# here (an optional one) is left to the worker.
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint.state_dict", "elastic_ddp.run", "elastic_ddp.checkpoint")
+# What every worker imports first: the template serves once these are in. A job's first formation
+# waits for no more, as its workers would import the same from scratch.
+PRELOAD_FIRST = ("torch",)
+# What a worker of this library imports before its first step besides: imported by the template's
+# successor (see _Successor.due for when it starts). A module that cannot be imported there (an
+# optional one) is left to the worker.
+PRELOAD_REST = ("torch._dynamo", "torch.distributed.checkpoint.state_dict", "elastic_ddp.run", "elastic_ddp.checkpoint")
+# With no fork and no request from the agent, the successor starts this long after the template
+# serves (the agent waits for its peers: the time is better spent importing).
+START_AFTER_S = 5.0
+# Written (empty) beside the socket once the rest is imported: the agent's sign of a warm template.
+WARM_SUFFIX = ".warm"
+# What ``ps -o comm`` shows for the template and its successor (a worker forked from either shows
+# ``edp-rank<N>``).
+TEMPLATE_NAME = "edp-template"
 # How often the loop looks for finished workers and for its agent when nothing else happens.
 POLL_S = 0.05
 PR_SET_PDEATHSIG = 1
@@ -83,6 +97,7 @@ def fork_hazard(allowed_threads: int = 1) -> str | None:
 def main(argv: list[str]) -> int:
     socket_path, agent = argv[0], int(argv[1])
     _die_with_parent()
+    _name_process(TEMPLATE_NAME)
     if os.getppid() != agent:
         return 0  # the agent is already gone
     try:
@@ -90,27 +105,96 @@ def main(argv: list[str]) -> int:
     except ImportError:
         pass
     allowed = thread_count() or 1
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the worker imports what it needs itself, and reports
-            pass
-    hazard = fork_hazard(allowed)
+    warm_asked: list[bool] = []
+    signal.signal(signal.SIGUSR1, lambda *_: warm_asked.append(True))
+    for name in PRELOAD_FIRST:
+        _preload(name)
     baseline = _initial_environment()
-    # What the imports made stays put: no collection in a copy touches (and so copies) those pages,
-    # and a worker's exit does not walk them (what Python's gc.freeze documentation advises for a
-    # process that forks workers).
-    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     # Listening before the path exists: whoever sees the path can connect (Template.wait_ready).
     staging = f"{socket_path}.{os.getpid()}"
     listener.bind(staging)
     listener.listen(64)
     os.replace(staging, socket_path)
-    worker = _serve(listener, agent, hazard, baseline)
-    if worker is None:
+    successor = _Successor(socket_path, allowed, warm_asked)
+    served = _serve(listener, agent, fork_hazard(allowed), baseline, successor)
+    if served is successor:  # in the successor: the rest imported, it serves in its template's place
+        served = _serve(listener, successor.template, successor.take_over(), baseline, None)
+    if served is None:
         return 0
-    return _run_worker(*worker)
+    return _run_worker(*served)
+
+
+def _preload(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - the worker imports what it needs itself, and reports
+        pass
+    # What the imports made stays put: no collection in a copy touches (and so copies) those pages,
+    # and a worker's exit does not walk them (what Python's gc.freeze documentation advises for a
+    # process that forks workers).
+    gc.freeze()
+
+
+class _Successor:
+    """The template's warm successor: a fork of it that imports the rest (:data:`PRELOAD_REST`) and
+    then serves on the same listener in its place.
+
+    The template itself never imports while it serves, so a worker's start never waits behind an
+    import, nor does a finished worker's status (torchrun's detection of a failure). Once the
+    successor serves, the template stops accepting and only tends the workers it forked before; it
+    stays the successor's parent, and the successor dies with it as it dies with the agent.
+    """
+
+    def __init__(self, socket_path: str, allowed_threads: int, warm_asked: list[bool]) -> None:
+        self._socket_path, self._allowed, self._warm_asked = socket_path, allowed_threads, warm_asked
+        self._serving_since = time.monotonic()
+        self._forked = False
+        self.template = os.getpid()
+        self.pid: int | None = None  # in the template, once forked
+        self.reports: int | None = None  # in the template: the pipe the successor says it serves on
+        self._report_to: int | None = None  # in the successor: that pipe's other end
+
+    def worker_forked(self) -> None:
+        self._forked = True
+
+    def due(self) -> bool:
+        """Not started yet, and: a worker was forked (the node trains: the next restart should find
+        the rest imported), or the agent asked, or nobody has asked for a fork for a while."""
+        if self.pid is not None:
+            return False
+        return self._forked or bool(self._warm_asked) or time.monotonic() - self._serving_since >= START_AFTER_S
+
+    def start(self) -> bool:
+        """Fork the successor: True in it, False in the template."""
+        self.reports, self._report_to = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.reports)
+            self.reports = None
+            return True
+        os.close(self._report_to)
+        self._report_to = None
+        return False
+
+    def take_over(self) -> str | None:
+        """In the successor: import the rest, mark the template warm, tell it, and return the fork
+        hazard of what is imported."""
+        _die_with_parent()
+        if os.getppid() != self.template:
+            os._exit(0)  # the template is already gone
+        for name in PRELOAD_REST:
+            _preload(name)
+        hazard = fork_hazard(self._allowed)
+        with open(self._socket_path + WARM_SUFFIX, "w"):
+            pass
+        os.write(self._report_to, b"1")
+        os.close(self._report_to)
+        return hazard
+
+    def close_in_worker(self) -> None:
+        if self.reports is not None:
+            os.close(self.reports)
 
 
 def _initial_environment() -> dict[str, str]:
@@ -140,14 +224,42 @@ def _die_with_parent() -> None:
         pass  # not Linux: the loop's check of its parent is the fallback
 
 
-def _serve(listener: socket.socket, agent: int, hazard: str | None, baseline: dict[str, str]):
-    """Serve until the agent is gone (None) or, in a forked copy, the worker to become."""
+# Marks the successor's report pipe among the selector's keys (a relay's connection carries its
+# worker's pid, the listener None).
+_SUCCESSOR = "successor"
+
+
+def _serve(listener: socket.socket, parent: int, hazard: str | None, baseline: dict[str, str],
+           successor: _Successor | None):  # fmt: skip
+    """Serve until ``parent`` (the agent; the template, for its successor) is gone, or until this
+    template has handed over to its successor and every worker it forked is gone (None); in a forked
+    copy, return the worker to become, or ``successor`` in the successor."""
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, None)
     children: dict[int, socket.socket] = {}
-    while os.getppid() == agent:
+    handed_over = False
+    while os.getppid() == parent:
+        if successor is not None and successor.due():
+            if successor.start():
+                # The successor: of the loop's, only the listener is its own.
+                selector.close()
+                for conn in children.values():
+                    conn.close()
+                return successor
+            selector.register(successor.reports, selectors.EVENT_READ, _SUCCESSOR)
         for key, _ in selector.select(timeout=POLL_S):
-            if key.data is None:
+            if key.data == _SUCCESSOR:
+                serves = os.read(successor.reports, 1) == b"1"  # b"": gone before it served
+                selector.unregister(successor.reports)
+                os.close(successor.reports)
+                successor.reports = None
+                if serves:
+                    selector.unregister(listener)
+                    listener.close()
+                    handed_over = True
+            elif key.data is None:
+                if handed_over:
+                    continue  # ready in the same select as the hand-over: the successor accepts it
                 conn, _ = listener.accept()
                 request, fds = _read_request(conn)
                 if request is None:
@@ -162,6 +274,8 @@ def _serve(listener: socket.socket, agent: int, hazard: str | None, baseline: di
                 # What the imports put in the environment (a cache directory, say): a fresh worker
                 # would have it after the same imports, so the copy keeps it.
                 request["added"] = {k: v for k, v in os.environ.items() if k not in baseline}
+                if successor is not None:
+                    successor.worker_forked()
                 pid = os.fork()
                 if pid == 0:
                     # The copy: nothing of the loop's is its own.
@@ -169,6 +283,8 @@ def _serve(listener: socket.socket, agent: int, hazard: str | None, baseline: di
                     listener.close()
                     for other in children.values():
                         other.close()
+                    if successor is not None:
+                        successor.close_in_worker()
                     conn.close()
                     return request, fds
                 _close_fds(fds)
@@ -184,7 +300,19 @@ def _serve(listener: socket.socket, agent: int, hazard: str | None, baseline: di
                 if _relay_closed(conn):
                     _kill(pid)
         _reap(children, selector)
+        if handed_over and not children and not _alive(successor.pid):
+            # The successor died (killed by hand, by the OOM killer): the agent starts another
+            # template at its next round once this one is gone too.
+            return None
     return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether this process's child ``pid`` still runs (reaping it if it has ended)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return False
 
 
 def _read_request(conn: socket.socket) -> tuple[dict | None, list[int]]:
@@ -287,6 +415,7 @@ def _run_worker(request: dict, fds: list[int]) -> int:
 
         torch.set_num_threads(int(threads))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import runpy
 

@@ -74,9 +74,11 @@ full, closing at shutdown):
    (:func:`elastic_ddp.stop.report_nodes_joining`): their stop only admits a node, so the
    agreed step goes to node memory, which every old member keeps, instead of storage.
 10. **Workers start warm.** Before its first join the node starts its workers' template
-    (:mod:`elastic_ddp.prestart`) and registers once that has imported torch and this library:
-    every worker of every round is then a fork of it, and a node joining a running job does not
-    stop the others' workers for the seconds of its own imports.
+    (:mod:`elastic_ddp.prestart`): every worker of every round is a fork of it. A node joining a
+    running job registers once the template has imported torch and this library, so it does not
+    stop the others' workers for the seconds of its own imports. At a job's first formation it
+    registers at once (every worker starts then anyway): the imports overlap the rendezvous, the
+    first workers wait for the template's torch, and it imports the rest while they train.
 """
 
 from __future__ import annotations
@@ -151,9 +153,9 @@ _PROBE_LIMIT = 64
 _PROBE_TIMEOUT_S = 0.5
 # While a round trains, each member probes the next one this often (module docstring, 8.).
 _SUCCESSOR_PROBE_INTERVAL_S = 0.25
-# How long a node's first join waits for its workers' template to finish its imports (a few
-# seconds; longer only on a starved host, which then starts its workers as usual).
-TEMPLATE_READY_WAIT_S = 60.0
+# How long a node joining a running job waits for its workers' template to finish its imports (a
+# few seconds; longer only on a starved host, which then starts its workers as usual).
+TEMPLATE_WARM_WAIT_S = 60.0
 
 
 class InvalidSettingsError(RendezvousClosedError):
@@ -355,10 +357,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         message = read_settings_error(self._settings_error_dir)
         if message is not None:
             raise self._close_for_settings(message)
-        if self._start_template() and self._joined is None:
+        if self._start_template() and self._joined is None and self._job_is_running():
             # A node arriving at a running job restarts every worker when it registers: it
-            # registers once its own workers can start warm, not seconds later in its imports.
-            self._template.wait_ready(min(TEMPLATE_READY_WAIT_S, self._settings.join_timeout))
+            # registers once its own workers can start warm, not seconds later in their imports.
+            # At a job's first formation every worker starts anyway: the node registers at once,
+            # its workers wait for the template's torch (as they would for their own imports),
+            # and the template imports the rest while they train.
+            self._template.warm_up(min(TEMPLATE_WARM_WAIT_S, self._settings.join_timeout))
         log.info("The node '%s' attempts to join the next round of the rendezvous '%s'.", self._node_text,
                  self._settings.run_id)  # fmt: skip
         self._view.stop_following()
@@ -376,6 +381,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
                  self._node_text, round_, self._settings.run_id, rank, world_size)  # fmt: skip
         store = dist.PrefixStore(f"round-{round_:012d}", self._store)
         return RendezvousInfo(store, rank, world_size, self._bootstrap(rank, store))
+
+    def _job_is_running(self) -> bool:
+        """Whether the run has a complete round (this node's arrival would restart its workers);
+        False when etcd cannot say (the join that follows reports that)."""
+        try:
+            record = self._view.refresh().record
+        except EtcdError:
+            return False
+        return record is not None and record.state == COMPLETE and not record.closed
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for a new round, or members of this node's round that are gone; 1 when

@@ -84,13 +84,22 @@ def descendants(pid: int) -> list[int]:
 
 
 def worker_pids(agent: int) -> list[int]:
-    """The processes that run an agent's workers' script: the forks of its workers' template
-    (elastic_ddp.prestart; torchrun sees their relays), or where there is none its direct children."""
+    """The processes that run an agent's workers' script: the forks of its workers' template or of
+    the template's warm successor (elastic_ddp.prestart; torchrun sees their relays), or where there
+    is none its direct children."""
     tree = descendants(agent)
-    templates = [p for p in tree if parent_pid(p) == agent and b"prestart/template.py" in cmdline(p)]
+    templates = {p for p in tree if b"prestart/template.py" in cmdline(p) and comm(p) == "edp-template"}
     if templates:
-        return [p for p in tree if parent_pid(p) in templates]
+        return [p for p in tree if parent_pid(p) in templates and p not in templates]
     return [p for p in tree if parent_pid(p) == agent]
+
+
+def comm(pid: int) -> str:
+    """What ``ps -o comm`` shows for ``pid``; empty when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def parent_pid(pid: int) -> int | None:

@@ -31,7 +31,8 @@ WORKER = textwrap.dedent("""
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))  # before the report the test waits for
     report = {
         "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv, "cwd": os.getcwd(), "name": __name__,
-        "rank": os.environ.get("RANK"), "warm": "torch._dynamo" in sys.modules, "path0": sys.path[0],
+        "rank": os.environ.get("RANK"), "torch": "torch" in sys.modules, "warm": "elastic_ddp.run" in sys.modules,
+        "path0": sys.path[0],
         "stdin": sys.stdin.readline().strip(),
     }
     print(json.dumps(report), flush=True)
@@ -53,7 +54,7 @@ def template(tmp_path_factory):
     directory = tmp_path_factory.mktemp("agent")
     os.environ.pop("PYTEST_CURRENT_TEST", None)  # what the template sees as the agent's environment
     made = Template(str(directory))
-    assert made.wait_ready(120), "the template did not start serving"
+    assert made.warm_up(120), "the template did not import what a worker of this library imports"
     try:
         yield made
     finally:
@@ -93,7 +94,7 @@ def test_a_forked_worker_has_its_own_command_line_directory_environment_streams_
     worker = start(template, script, "exit-7", "--b=c", cwd=cwd)
     code, report, err = finish(worker)
     assert "starts without" not in err and "Error in sitecustomize" not in err, err
-    assert report["warm"] and report["ppid"] != os.getpid()  # a fork of the template, which imported torch
+    assert report["warm"] and report["ppid"] != os.getpid()  # a fork of the template, which imported the library
     assert report["pid"] != worker.pid
     assert code == 7
     assert report["argv"] == [str(script), "exit-7", "--b=c"] and report["name"] == "__main__"
@@ -110,7 +111,7 @@ def test_without_a_template_or_with_another_environment_a_worker_starts_as_usual
     }
     for case, worker in cases.items():
         code, report, _ = finish(worker)
-        assert code == 0 and report["pid"] == worker.pid and not report["warm"], case
+        assert code == 0 and report["pid"] == worker.pid and not report["torch"], case
 
 
 def test_a_signal_to_the_relay_reaches_the_worker_and_a_kill_of_either_ends_both(template, script, tmp_path):
@@ -130,6 +131,39 @@ def test_a_signal_to_the_relay_reaches_the_worker_and_a_kill_of_either_ends_both
     out, err = worker.communicate(timeout=60)
     assert worker.returncode == -signal.SIGKILL
     assert len(out.splitlines()) == 1 and "Error in sitecustomize" not in err, (out, err)
+
+
+def test_a_template_serves_once_torch_is_in_and_a_successor_imports_the_rest_and_serves_in_its_place(script, tmp_path):
+    # Three templates: one that forks a worker at once (a first formation), one its agent asks to
+    # warm up (a node joining a running job), one left alone (an agent waiting for its peers).
+    os.environ.pop("PYTEST_CURRENT_TEST", None)
+    for directory in ("forked", "asked", "idle"):
+        (tmp_path / directory).mkdir()
+    templates = {name: Template(str(tmp_path / name)) for name in ("forked", "asked", "idle")}
+    successors = []
+    try:
+        # A worker started while its template still imports torch waits for it and is forked by the
+        # template itself: torch is in, the library left to the worker.
+        assert not Path(templates["forked"].socket_path).exists()
+        code, report, _ = finish(start(templates["forked"], script, cwd=tmp_path))
+        assert code == 0 and report["torch"] and not report["warm"], report
+        assert report["ppid"] == templates["forked"]._process.pid
+        assert templates["asked"].warm_up(120)
+        for name, made in templates.items():
+            wait_for(lambda: Path(made.socket_path + ".warm").exists(), 120, what=f"the {name} template's successor")
+            code, report, _ = finish(start(made, script, cwd=tmp_path))
+            assert code == 0 and report["warm"], (name, report)
+            # A fork of the successor, itself a fork of the template that stopped accepting.
+            assert parent_pid(report["ppid"]) == made._process.pid, name
+            successors.append(report["ppid"])
+    finally:
+        for made in templates.values():
+            made.close()
+    assert not any(made.alive for made in templates.values())
+    # The successors die with their templates.
+    wait_for(lambda: all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in successors), 30,
+             what="the successors to die with their templates")  # fmt: skip
+    assert not list(tmp_path.glob("*/prestart.sock*")), "a template's socket or marker was left behind"
 
 
 def test_a_template_forks_only_from_a_safe_state():

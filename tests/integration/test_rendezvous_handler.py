@@ -249,6 +249,45 @@ def test_a_newcomer_does_not_form_a_round_alone_while_the_group_stops_to_admit_i
     assert ranks([*infos, c.result()]) == [(0, 3), (1, 3), (2, 3)]
 
 
+class RecordingTemplate:
+    """Stands in for the workers' template: records how long a node waited for it before joining."""
+
+    waits: list[tuple[str, str]] = []
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.alive = directory, True
+
+    def environment(self) -> dict[str, str]:
+        return {}
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        RecordingTemplate.waits.append((self.directory, "torch imported"))
+        return True
+
+    def warm_up(self, timeout_s: float) -> bool:
+        RecordingTemplate.waits.append((self.directory, "everything imported"))
+        return True
+
+    def close(self) -> None:
+        self.alive = False
+
+
+def test_a_node_waits_for_a_warm_template_only_when_it_joins_a_running_job(run, monkeypatch):
+    # At a first formation every worker starts anyway: the node registers at once. A node that
+    # arrives at a running job restarts every rank: it registers once its workers can start warm.
+    monkeypatch.setenv(handler_module.ENV_PRESTART, "1")
+    monkeypatch.setattr(handler_module, "Template", RecordingTemplate)
+    monkeypatch.setattr(RecordingTemplate, "waits", [])
+    a, b = run(1, 3, "10.0.0.1"), run(1, 3, "10.0.0.2")
+    join_all(a, b)
+    assert RecordingTemplate.waits == []  # the workers wait for their template, not the rendezvous
+    c = Joining(run(1, 3, "10.0.0.3"))
+    wait_for(lambda: a.num_nodes_waiting() == 1, 30, what="the newcomer to be seen")
+    join_all(a, b)
+    c.result()
+    assert RecordingTemplate.waits == [(c.handler.settings_error_dir, "everything imported")]
+
+
 def test_a_full_round_keeps_a_spare_which_takes_part_when_a_member_leaves(run, etcd_client, monkeypatch):
     # A long last call: the next round may complete early only because everyone expected is there.
     a, b = run(1, 2, "10.0.0.1", last_call_timeout="10"), run(1, 2, "10.0.0.2", last_call_timeout="10")

@@ -10,6 +10,11 @@ part of the package): a worker that starts as usual pays for nothing.
 
 import os
 import sys
+import time
+
+# How long a worker waits for a template that is still importing torch (a job's first formation
+# does not wait for it: the workers do, as they would for their own imports); then it starts as usual.
+TEMPLATE_START_WAIT_S = 60.0
 
 
 def _plain_script_command():
@@ -23,6 +28,23 @@ def _plain_script_command():
     return sys.argv[0], sys.argv[1:], bool(options)
 
 
+def _starting(pid):
+    """Whether the template (``pid``) is still alive: not gone, not a zombie its agent has yet to reap."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_for_template(path):
+    """Wait while the template is alive and not yet serving (its socket absent)."""
+    pid = os.environ.get("ELASTIC_DDP_PRESTART_PID", "")
+    deadline = time.monotonic() + TEMPLATE_START_WAIT_S
+    while not os.path.exists(path) and pid.isdigit() and _starting(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def _relay():
     path = os.environ.get("ELASTIC_DDP_PRESTART_SOCKET", "")
     if not path or os.environ.get("ELASTIC_DDP_AGENT_PID", "") != str(os.getppid()):
@@ -30,6 +52,7 @@ def _relay():
     command = _plain_script_command()
     if command is None:
         return
+    _wait_for_template(path)
     import importlib.util
     import signal
     import socket
