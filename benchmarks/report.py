@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import Any
 
 # The comparisons the rendezvous extrapolation draws on; it follows the last of them present.
-_RENDEZVOUS = ("contention", "rdzv_join", "rdzv_idle")
+EXTRAPOLATED_FROM = ("contention", "rdzv_join", "rdzv_idle")
 
 
 def _num(value: float | None) -> str:
@@ -58,7 +59,7 @@ def render(machine: dict[str, Any], results: list[dict[str, Any]], smoke: bool =
     errors = [d["name"] for d in results if "error" in d]
     out += [f"**Summary:** {passed} targets met, {missed} missed"
             + (f"; failed to run: {', '.join(errors)}" if errors else "") + ".", ""]
-    present = [d["name"] for d in results if d["name"] in _RENDEZVOUS]
+    present = [d["name"] for d in results if d["name"] in EXTRAPOLATED_FROM]
     last_rendezvous = present[-1] if present else None
     for data in results:
         out += [f"## {data['title']} (`{data['name']}`)", ""]
@@ -160,3 +161,42 @@ def rendezvous_extrapolation(results: list[dict[str, Any]], cores: int) -> list[
                        f"{growth / 1e6:.1f} MB of database growth per minute ({growth * 60 / 1e9:.2f} GB per hour: "
                        "etcd's 2 GiB quota is full within hours and then refuses every write).")  # fmt: skip
     return out + ["", "The etcd sizing in deploy/README.md follows from these figures.", ""]
+
+
+_SECTION = re.compile(r"^## .*\(`(\w+)`\)$")
+_SUMMARY = re.compile(r"\*\*Summary:\*\* \d+ targets met, \d+ missed")
+_DATE = re.compile(r"^- date: (.+?)(?: to (.+?))?(?: \(comparisons from (\d+) runs on this machine\))?$", re.M)
+
+
+def _sections(markdown: str) -> tuple[str, dict[str, str]]:
+    """The text before the first comparison, and each comparison's section (its ``##`` heading to
+    the next one) by name."""
+    head, sections, name = [], {}, None
+    for line in markdown.splitlines(keepends=True):
+        match = _SECTION.match(line.rstrip("\n"))
+        if match:
+            name = match[1]
+            sections[name] = ""
+        if name is None:
+            head.append(line)
+        else:
+            sections[name] += line
+    return "".join(head), sections
+
+
+def merge(existing: str, machine: dict[str, Any], results: list[dict[str, Any]], order: list[str], runs: int = 1) -> str:
+    """``existing`` RESULTS.md with the sections of ``results`` (from ``runs`` newer full runs of some
+    comparisons, the newest on ``machine['date']``) rendered anew and the others kept as they are, in
+    ``order``; the summary counts every section again and the date spans the old runs and the new."""
+    head, sections = _sections(existing)
+    sections.update(_sections(render(machine, results))[1])
+    body = "".join(sections[name] for name in order if name in sections)
+    passed, missed = body.count("| pass |"), body.count("| **miss** |")
+    head = _SUMMARY.sub(f"**Summary:** {passed} targets met, {missed} missed", head)
+    dates = _DATE.search(head)
+    if dates is not None:
+        first = dates[1]
+        earlier = int(dates[3] or 1)
+        head = head.replace(dates[0], f"- date: {first} to {machine['date']} (comparisons from {earlier + runs} runs on this machine)")
+    return head + body
+

@@ -4,6 +4,7 @@
     python benchmarks/run.py --only rendezvous --out /tmp/b   # one comparison (repeatable flag)
     python benchmarks/run.py --smoke --out /tmp/b             # tiny sizes, < 2 min; RESULTS.md goes into --out
     python benchmarks/run.py --render-from /tmp/b1 /tmp/b2    # RESULTS.md from earlier runs' JSON (later wins)
+    python benchmarks/run.py --update-from /tmp/b              # only those comparisons' sections of RESULTS.md
 
 Every comparison alternates its variants over several repeats and reports medians, ranges and
 per-repeat ratios (see benchmarks/common.py). Writes ``<out>/<name>.json`` per comparison and
@@ -28,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `elastic
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Context, machine_info  # noqa: E402
-from benchmarks.report import render  # noqa: E402
+from benchmarks.report import EXTRAPOLATED_FROM, merge, render  # noqa: E402
 
 # In the order they run (the cheap, independent ones first).
 COMPARISONS = {
@@ -60,18 +61,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run nothing: write RESULTS.md from the <name>.json files of earlier runs (a later DIR wins); "
         "every comparison must be present",
     )  # fmt: skip
+    parser.add_argument(
+        "--update-from", nargs="+", metavar="DIR", default=[],
+        help="run nothing: rewrite the sections of RESULTS.md for the comparisons whose full-run JSON is in "
+        "DIRs (``--only`` runs), keep the others, count the summary again",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: checks that everything runs")
     parser.add_argument("--only", action="append", choices=sorted(COMPARISONS), help="run only this comparison")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per comparison (default: 1 smoke, 3 full)")
     parser.add_argument("--work-dir", default="", help="scratch directory on the disk to test (default: a temp dir)")
     args = parser.parse_args(argv)
-    if not args.out and not args.render_from:
-        parser.error("--out DIR is required (or --render-from DIR ...)")
+    if not args.out and not args.render_from and not args.update_from:
+        parser.error("--out DIR is required (or --render-from DIR ... or --update-from DIR ...)")
     return args
 
 
-def render_from(dirs: list[str]) -> int:
-    """RESULTS.md from the per-comparison JSON of earlier full runs (``--only`` runs included)."""
+def _load(dirs: list[str]) -> tuple[dict[str, dict], list[dict]] | None:
+    """The per-comparison JSON of earlier full runs (a later DIR wins) and their machines; None (and
+    why, on stderr) when one is from a smoke run."""
     found: dict[str, dict] = {}
     machines = []
     for directory in map(Path, dirs):
@@ -84,17 +91,31 @@ def render_from(dirs: list[str]) -> int:
                 data = json.loads(path.read_text())
                 if data.get("smoke"):
                     print(f"error: {path} is from a smoke run; only full runs go into RESULTS.md", file=sys.stderr)
-                    return 2
+                    return None
                 found[name] = data
+    return found, machines
+
+
+def _machine(machines: list[dict]) -> dict:
+    """The newest run's description, where it knew a value: a run started without the virtualenv's
+    scripts on PATH sees no etcd binary, though its benchmarks started the bundled one."""
+    machine: dict = {}
+    for each in machines:
+        machine.update({key: value for key, value in each.items() if value != "not installed" or key not in machine})
+    return machine
+
+
+def render_from(dirs: list[str]) -> int:
+    """RESULTS.md from the per-comparison JSON of earlier full runs (``--only`` runs included)."""
+    loaded = _load(dirs)
+    if loaded is None:
+        return 2
+    found, machines = loaded
     missing = [name for name in COMPARISONS if name not in found]
     if missing or not machines:
         print(f"error: no results for {', '.join(missing) or 'the machine'} in {', '.join(dirs)}", file=sys.stderr)
         return 2
-    # The newest run's description, where it knew a value: a run started without the virtualenv's
-    # scripts on PATH sees no etcd binary, though its benchmarks started the bundled one.
-    machine: dict = {}
-    for each in machines:
-        machine.update({key: value for key, value in each.items() if value != "not installed" or key not in machine})
+    machine = _machine(machines)
     dates = sorted({m["date"] for m in machines})
     if len(dates) > 1:
         machine["date"] = f"{dates[0]} to {dates[-1]} (comparisons from {len(dates)} runs on this machine)"
@@ -103,10 +124,33 @@ def render_from(dirs: list[str]) -> int:
     return 1 if any("error" in data for data in found.values()) else 0
 
 
+def update_from(dirs: list[str]) -> int:
+    """RESULTS.md with the sections of the comparisons found in ``dirs`` rendered anew."""
+    loaded = _load(dirs)
+    if loaded is None:
+        return 2
+    found, machines = loaded
+    if not found or not machines:
+        print(f"error: no full-run results in {', '.join(dirs)}", file=sys.stderr)
+        return 2
+    # The extrapolation section draws on all of them at once: those are rendered together or not at all.
+    if set(found) & set(EXTRAPOLATED_FROM) and not set(EXTRAPOLATED_FROM) <= set(found):
+        print(f"error: {', '.join(EXTRAPOLATED_FROM)} go into RESULTS.md together (their extrapolation uses all)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    machine = {**_machine(machines), "date": max(m["date"] for m in machines)}
+    runs = len({m["date"] for m in machines})
+    RESULTS_MD.write_text(merge(RESULTS_MD.read_text(), machine, list(found.values()), list(COMPARISONS), runs))
+    print(f"Updated {', '.join(found)} in {RESULTS_MD}", flush=True)
+    return 1 if any("error" in data for data in found.values()) else 0
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.render_from:
         return render_from(args.render_from)
+    if args.update_from:
+        return update_from(args.update_from)
     # dcp.save/load in one process without a process group (checkpoint, resume) says so every call.
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     out = Path(args.out)
