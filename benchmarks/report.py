@@ -195,8 +195,7 @@ def merge(existing: str, machine: dict[str, Any], results: list[dict[str, Any]],
     head = _SUMMARY.sub(f"**Summary:** {passed} targets met, {missed} missed", head)
     dates = _DATE.search(head)
     if dates is not None:
-        first = dates[1]
-        earlier = int(dates[3] or 1)
-        head = head.replace(dates[0], f"- date: {first} to {machine['date']} (comparisons from {earlier + runs} runs on this machine)")
+        first, earlier = dates[1], int(dates[3] or 1)
+        span = f"- date: {first} to {machine['date']} (comparisons from {earlier + runs} runs on this machine)"
+        head = head.replace(dates[0], span)
     return head + body
-
