@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "elastic_ddp"
 LAYERS: list[set[str]] = [
     {"config", "logs", "processes", "faults", "state", "etcd", "etcd_server", "ddp_buckets"},
     {"distributed", "stop", "prestart", "checkpoint"},
-    {"data", "failures", "lifecycle", "memory", "rendezvous"},
+    {"data", "exiting", "failures", "lifecycle", "memory", "rendezvous"},
     {"metrics", "tensorboard_cli", "nn"},
     {"step_metrics", "step_guard", "resume"},
     {"run", "cli"},
