@@ -42,8 +42,13 @@ PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_DDP_")
 PRELOAD_FIRST = ("torch",)
 # What a worker of this library imports before its first step besides: imported by the template's
 # successor (see _Successor.due for when it starts). A module that cannot be imported there (an
-# optional one) is left to the worker.
-PRELOAD_REST = ("torch._dynamo", "torch.distributed.checkpoint.state_dict", "elastic_ddp.run", "elastic_ddp.checkpoint")
+# optional one) is left to the worker. TensorBoard's writer is rank 0's alone, but rank 0 may be
+# forked on any node and every rank's first step waits for it: its import (0.22 s here, most of it
+# boto3, which tensorboard's file layer pulls in) costs each successor 12 MB.
+PRELOAD_REST = (
+    "torch._dynamo", "torch.distributed.checkpoint.state_dict", "elastic_ddp.run", "elastic_ddp.checkpoint",
+    "torch.utils.tensorboard",
+)  # fmt: skip
 # With no fork and no request from the agent, the successor starts this long after the template
 # serves (the agent waits for its peers: the time is better spent importing).
 START_AFTER_S = 5.0

@@ -21,17 +21,19 @@ from pathlib import Path
 import pytest
 
 from elastic_ddp.prestart import ENV_SWITCH, Template
+from elastic_ddp.prestart.template import PRELOAD_REST
 from elastic_ddp.stop import ENV_AGENT_PID
 from tests.helpers.job import Job
 from tests.helpers.nodes import cmdline, descendants, parent_pid, wait_for, worker_pids
 
-WORKER = textwrap.dedent("""
+# A worker that reports what it was forked with; "warm": every module the successor preloads is in.
+WORKER = f"PRELOAD_REST = {PRELOAD_REST!r}\n" + textwrap.dedent("""
     import json, os, signal, sys
     if "wait-for-sigterm" in sys.argv:
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))  # before the report the test waits for
     report = {
         "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv, "cwd": os.getcwd(), "name": __name__,
-        "rank": os.environ.get("RANK"), "torch": "torch" in sys.modules, "warm": "elastic_ddp.run" in sys.modules,
+        "rank": os.environ.get("RANK"), "torch": "torch" in sys.modules, "warm": all(name in sys.modules for name in PRELOAD_REST),
         "path0": sys.path[0],
         "stdin": sys.stdin.readline().strip(),
     }
