@@ -79,7 +79,7 @@ from elastic_ddp.data import (
     check_same_dataset, dataset_fingerprint, derive_seed, to_device,
 )  # fmt: skip
 from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo_group, shutdown_distributed
-from elastic_ddp.exiting import exit_without_teardown
+from elastic_ddp.exiting import exit_without_teardown, prepare_exit
 from elastic_ddp.failures import FailureReport, RecurringFailureError
 from elastic_ddp.lifecycle import (
     ENDED_EXIT_AT_STEP, ENDED_FINISHED, RunError, check_ended, end_ended, exit_status, frees_memory, loop_end,
@@ -647,6 +647,9 @@ class Run:
         session.metrics.summary(self.ended)
         session.metrics.close(self.ended)
         shutdown_distributed()
+        # The script has returned: the exit's search for open files is done now, not after the SIGTERM
+        # that a survivor of a membership change waits for (on the path of the restart).
+        prepare_exit()
         return exit_status(self.ended, self._stop_signal, self.cfg.dist.restart_wait_s)
 
 

@@ -9,15 +9,23 @@ import sys
 import textwrap
 
 
-def test_leaving_without_teardown_joins_threads_runs_atexit_and_completes_open_files(tmp_path):
+import pytest
+
+
+# prepare_exit: the open files searched for ahead of the exit (while a survivor waits for its
+# restart); the files opened before it and those opened after it must both be complete.
+@pytest.mark.parametrize("prepared", [False, True], ids=["searched-at-exit", "searched-ahead"])
+def test_leaving_without_teardown_joins_threads_runs_atexit_and_completes_open_files(tmp_path, prepared):
     script = textwrap.dedent(f"""
         import atexit, gzip, threading, time, sys
         import torch  # the teardown being skipped is torch's
-        from elastic_ddp.exiting import exit_without_teardown
+        from elastic_ddp.exiting import exit_without_teardown, prepare_exit
 
         root = {str(tmp_path)!r}
         text = open(root + "/text.txt", "w"); text.write("text left open")
         binary = open(root + "/binary.bin", "wb"); binary.write(b"binary left open")
+        if {prepared}:
+            prepare_exit()
         packed = gzip.open(root + "/packed.txt.gz", "wt"); packed.write("gzip left open " * 1000)
         appended = open(root + "/appended.txt", "a+"); appended.write("read-write left open")
 
