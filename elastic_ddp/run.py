@@ -42,9 +42,10 @@ order is not the script's):
    joining node (every node of the round stays and holds it there).
 4. Teardown: waits for a save in flight, closes the metrics and the process group, and exits 0,
    or with :data:`~elastic_ddp.stop.EXIT_STOPPED` after a stop (a survivor of a membership change
-   first waits for its agent to restart it), skipping the interpreter's module teardown (0.7 s of
-   every restart with torch imported; threads, ``atexit`` handlers and open files are still seen to:
-   :mod:`elastic_ddp.exiting`). A failure that must not pass silently -- a final save
+   first waits for its agent to restart it; a rank stopped from outside, a preemption, first tells
+   its agent that the node leaves, so that the others need not wait for its exit), skipping the
+   interpreter's module teardown (0.7 s of every restart with torch imported; threads, ``atexit``
+   handlers and open files are still seen to: :mod:`elastic_ddp.exiting`). A failure that must not pass silently -- a final save
    that failed, ``checkpoint.max_failed_saves`` failed saves in a row, storage not shared by all
    nodes, a resume that would mix runs -- ends the job with one clear message and a non-zero status.
 """
@@ -82,8 +83,8 @@ from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo
 from elastic_ddp.exiting import exit_without_teardown, prepare_exit
 from elastic_ddp.failures import FailureReport, RecurringFailureError
 from elastic_ddp.lifecycle import (
-    ENDED_EXIT_AT_STEP, ENDED_FINISHED, RunError, check_ended, end_ended, exit_status, frees_memory, loop_end,
-    stop_ended, stop_event, stopped,
+    ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_STOPPED, RunError, check_ended, end_ended, exit_status, frees_memory,
+    loop_end, stop_ended, stop_event, stopped,
 )  # fmt: skip
 from elastic_ddp.logs import configure_logging
 from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier
@@ -93,7 +94,8 @@ from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful
 from elastic_ddp.step_guard import StepGuard
 from elastic_ddp.step_metrics import StepMetrics, timed
 from elastic_ddp.stop import (
-    EXIT_CONFIG, EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, flush_and_exit, report_settings_error,
+    EXIT_CONFIG, EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, flush_and_exit, report_leaving,
+    report_settings_error,
 )  # fmt: skip
 
 __all__ = ["Run", "RunError", "Step", "launch"]
@@ -635,6 +637,10 @@ class Run:
         session = self._session
         if not session.checkpoints.close():
             raise RunError(f"The last checkpoint save failed: {session.checkpoints.last_error}")
+        if self.ended == ENDED_STOPPED and self._stop_signal.for_join is None:
+            # Stopped from outside (a preemption): the node leaves, and every rank waits for its agent to
+            # leave the rendezvous -- which it may do now, its stop checkpoint committed.
+            report_leaving(f"rank {self.rank} stopped at step {self.step}")
         if session.memory is not None:
             session.memory.close()
             if frees_memory(self.ended):

@@ -38,25 +38,27 @@ def job(etcd_endpoint, tmp_path):
             each.cleanup()
 
 
-def test_preempted_node_checkpoints_and_survivor_continues_with_zero_lost_steps(job):
+def test_preempted_node_checkpoints_and_survivors_continue_with_zero_lost_steps(job):
     j = job(flags=[ENDLESS, "--checkpoint.every_steps=1000", "--data.ledger=true"])
-    j.add_node()  # the survivor
+    j.add_node(), j.add_node()  # the survivors
     preempted = j.add_node()
-    j.wait_for_step(5, world_size=2)
+    j.wait_for_step(5, world_size=3)
     mark, t0 = j.mark(), time.monotonic()
     preempted.terminate()  # what Kubernetes and Slurm send
-    recovery_s = j.wait_for_training_since(mark, t0, world_size=1)
+    recovery_s = j.wait_for_training_since(mark, t0, world_size=2)
     after = j.output_since(mark)
-    last_before = max(s for s, w in steps(j.output()) if w == 2)
+    last_before = max(s for s, w in steps(j.output()) if w == 3)
     resumed = resumed_steps(after)
     assert resumed, after[-4000:]
-    # The stop checkpoint is of the last step trained at world size 2: nothing is redone.
+    # The stop checkpoint is of the last step trained at world size 3: nothing is redone.
     assert resumed[-1] == last_before, after[-4000:]
-    # A membership change, not a failure: the survivor's agent spent none of --max-restarts.
+    # The preempted node left the round once that checkpoint was committed, not once its agent exited.
+    assert re.search(r"left the rendezvous '\S+' as its stop checkpoint was committed", preempted.output()), after[-4000:]
+    # A membership change, not a failure: the survivors' agents spent none of --max-restarts.
     assert j.restarts() == 0
-    assert any(start["world_size"] == 1 for start in j.worker_starts())
+    assert any(start["world_size"] == 2 for start in j.worker_starts())
     preempted.wait(timeout=60)
-    report("preemption (SIGTERM to one node)", "stop checkpoint at the agreed step; survivor restarts at world size 1",
+    report("preemption (SIGTERM to one node)", "stop checkpoint at the agreed step; survivors restart at world size 2",
            round(recovery_s, 1), last_before - resumed[-1], checkpoints_verified=j.stop_and_verify_checkpoints())
 
 

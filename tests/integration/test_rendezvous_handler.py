@@ -23,7 +23,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, members_gone, nodes_joining, report_settings_error
+from elastic_ddp.processes import agent_pid
+from elastic_ddp.stop import (
+    ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, members_gone, nodes_joining, report_leaving, report_settings_error,
+)  # fmt: skip
 from elastic_ddp.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
 from elastic_ddp.etcd import EtcdClient, EtcdConnectionError, Range
@@ -225,6 +228,38 @@ def test_a_member_that_leaves_is_a_membership_change_answered_without_etcd(run, 
         patched.setattr(a._client, "request", no_requests)
         assert a.num_nodes_waiting() == 1  # from watched state only
     assert ranks(join_all(a)) == [(0, 1)]
+
+
+def as_worker_of(handler: EtcdRendezvousHandler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process speaks as a worker of ``handler``'s agent (what the agent exports to its workers)."""
+    monkeypatch.setenv(ENV_SETTINGS_ERROR_DIR, handler.settings_error_dir)
+    monkeypatch.setenv(ENV_AGENT_PID, str(agent_pid()))
+
+
+def test_a_node_whose_workers_report_it_leaving_leaves_the_round_at_once_and_may_join_again(run, monkeypatch):
+    a, b, c = (run(1, 3, f"10.0.0.{i}") for i in (1, 2, 3))
+    join_all(a, b, c)
+    # b is preempted: its workers committed the stop checkpoint and say so; its agent is still
+    # waiting for them to exit, and the others need not.
+    as_worker_of(b, monkeypatch)
+    assert report_leaving("rank 1 stopped at step 7")
+    wait_for(lambda: a.num_nodes_waiting() == 1 and c.num_nodes_waiting() == 1, 10, what="b's departure")
+    assert ranks(join_all(a, c)) == [(0, 2), (1, 2)]
+    # b's agent goes on after all (only its workers were signalled): it joins again, under a new lease.
+    joining = Joining(b)
+    wait_for(lambda: a.num_nodes_waiting() == 1, 30, what="b waiting to join again")
+    assert sorted(ranks([*join_all(a, c), joining.result()])) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_a_node_restarting_its_workers_for_a_join_stays_whatever_its_workers_report(run):
+    a, b = run(1, 4, "10.0.0.1"), run(1, 4, "10.0.0.2")
+    join_all(a, b)
+    newcomer = Joining(run(1, 4, "10.0.0.3"))
+    wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 30, what="the new round")
+    lease = b._lease
+    b._leave_round_early("rank 1 stopped at step 7")  # what its listener calls on a worker's report
+    assert b._lease == lease and a.num_nodes_waiting() == 1 and members_gone(a.settings_error_dir) is None
+    assert sorted(ranks([*join_all(a, b), newcomer.result()])) == [(0, 3), (1, 3), (2, 3)]
 
 
 def test_a_node_that_dies_is_gone_for_the_others_when_its_lease_expires(run):
