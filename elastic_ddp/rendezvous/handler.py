@@ -33,8 +33,9 @@ full, closing at shutdown):
    cannot fail; watches and lease renewals retry in the background, and etcd itself restores
    every lease's full TTL when a leader takes over (after a restart or an election), so live
    nodes are not dropped for the outage.
-4. **Each round hosts a fresh worker store** on its rank-0 worker (see the plugin), and the
-   round is exported to the workers as ``ELASTIC_DDP_RDZV_ROUND``. Round numbers only grow: the
+4. **Each round hosts a fresh worker store** on its rank-0 agent, listening before any worker of
+   the round starts (:meth:`_bootstrap`), and the round is exported to the workers as
+   ``ELASTIC_DDP_RDZV_ROUND``. Round numbers only grow: the
    first round of a run is numbered after the etcd revision it was created at, so even a run whose
    keys expired and were created again never reuses a number (checkpoint commits are fenced by
    it).
@@ -137,7 +138,6 @@ __all__ = ["ENV_RDZV_ROUND", "EtcdRendezvousHandler", "HandlerSettings", "Invali
 log = logging.getLogger(__name__)
 
 ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"  # also named in elastic_ddp.distributed
-SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's; "1": no shared agent store
 _LOCAL_IDS = itertools.count()
 _LOCAL_IDS_LOCK = threading.Lock()
 # A waiting node re-reads the round record at least this often, in case its watch is stuck on a
@@ -289,8 +289,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._reported: tuple | None = None
         self._successor: SuccessorWatch | None = None
         self._finished = False
-        self._shared_tcp_store_server: dist.Store | None = None
-        self._bootstrap_store_info: RendezvousStoreInfo | None = None
+        self._worker_store_server: dist.Store | None = None  # hosted while this node is a round's rank 0
         # Where this agent's workers report invalid settings (module docstring, 5.); the workers
         # inherit the agent's environment when they start.
         try:
@@ -354,7 +353,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        return os.getenv(SHARE_STORE_ENV, "0") != "1"
+        """Always: the workers are clients of the store this round's rank-0 agent hosts (:meth:`_bootstrap`)."""
+        return True
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round (see the module docstring); blocks until it completes with this node.
@@ -524,7 +524,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 log.warning("The node '%s' could not leave the rendezvous at once (%s); the others notice within %d s.",
                             self._node_text, exc, self._settings.lease_ttl)  # fmt: skip
         self._store.close(revoke=revoke_store and reachable)
-        self._shared_tcp_store_server = None  # its server thread ends with it; no worker is left to use it
+        self._worker_store_server = None  # its server thread ends with it; no worker is left to use it
         self._client.close()
 
     def _leave_round_early(self, why: str) -> None:
@@ -1001,18 +1001,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._registered = None
 
     def _bootstrap(self, rank: int, store: dist.Store) -> RendezvousStoreInfo:
-        """MASTER_ADDR/PORT for the workers, as torch's handler builds them."""
-        if os.getenv(SHARE_STORE_ENV, "0") == "1":
-            return RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
-        # torch's shared agent store: rank 0 hosts a TCPStore the workers use.
-        if self._bootstrap_store_info is None or (rank == 0 and self._shared_tcp_store_server is None):
-            server_port = 0
-            if rank == 0:
-                self._shared_tcp_store_server = dist.TCPStore(self._addr, 0, is_master=True, multi_tenant=True)
-                server_port = self._shared_tcp_store_server.port
-            self._bootstrap_store_info = RendezvousStoreInfo.build(rank, store, local_addr=self._addr,
-                                                                   server_port=server_port)  # fmt: skip
-        return self._bootstrap_store_info
+        """MASTER_ADDR/PORT for the workers: a TCPStore that this round's rank-0 agent hosts, new at
+        every round (no key of a dead group survives, and no node serves more than its rounds as
+        rank 0), listening before it is named to the others through the round's store -- so before
+        any worker of the round connects. (Hosted by rank 0's worker, as torch does without the
+        shared store, a worker that connected before that one listened waited out torch's connect
+        back-off: 0.3-0.6 s, measured, on the path of every restart.)"""
+        self._worker_store_server = None  # the last round's: its workers are gone
+        port = 0
+        if rank == 0:
+            # The server listens on every interface and is named to the workers by this node's address;
+            # the name given here is only where the store object's own client connects.
+            self._worker_store_server = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            port = self._worker_store_server.port
+        return RendezvousStoreInfo.build(rank, store, local_addr=self._addr, server_port=port)
 
     # -- closing -------------------------------------------------------------------------------
 

@@ -73,8 +73,9 @@ PASSWORD_ENV = "ELASTIC_DDP_ETCD_PASSWORD"
 TORCH_ETCD_ENV = "ELASTIC_DDP_TORCH_ETCD"
 """``1``: ``--rdzv-backend=etcd`` stays torch's legacy v2 handler."""
 DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-"""torch's switch: ``1`` makes each rendezvous round host a new store on its rank-0 worker
-instead of one TCPStore on the first round's rank-0 agent (see :func:`_per_round_worker_store`)."""
+"""torch's switch for its own handlers: ``1`` makes each rendezvous round host a new store on its
+rank-0 worker instead of one TCPStore on the first round's rank-0 agent (see
+:func:`_per_round_worker_store`)."""
 
 DEFAULT_ENDPOINT_PORT = 2379
 DEFAULT_READ_TIMEOUT = 10  # seconds per etcd request; torch's etcd-v2 uses 60
@@ -388,32 +389,32 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     settings = handler_settings(params)  # every option is checked before a connection is made
     client = _connected_client(params)
     store = EtcdV3Store(client, f"{settings.key_prefix}/{params.run_id}/store/")
-    _per_round_worker_store()  # also done by the entry points; here for callers that skip them
     name = params.backend if params.backend in ("etcd", "etcd-v3") else "etcd-v3"
     return EtcdRendezvousHandler(client, store, settings, backend_name=name, local_addr=params.local_addr)
 
 
 def _per_round_worker_store() -> None:
-    """Make every rendezvous round of this process's agent host a fresh worker store, unless the
-    user chose otherwise by setting :data:`DISABLE_SHARED_STORE_ENV` themselves (``0`` keeps
-    torch's shared store).
+    """Make torch's own handlers (``c10d``, ``--standalone``, torch's ``etcd``) in this process give
+    every rendezvous round a fresh worker store, unless the user chose otherwise by setting
+    :data:`DISABLE_SHARED_STORE_ENV` themselves (``0`` keeps torch's shared store). This package's
+    handler needs no variable: each of its rounds' rank-0 agent hosts a new store
+    (``EtcdRendezvousHandler._bootstrap``), whatever it says.
 
-    Deliberately process-wide, torch's own ``c10d`` handler (``--standalone``) included. torch's
-    shared worker TCPStore lives in the agent that was rank 0 of the first round and keeps its keys
-    across restarts: a restarted group's gloo reads the dead workers' addresses and fails (``Gloo
-    connectFullMesh failed ... Connection refused``) until every restart is spent -- the recipes'
-    ``torchrun --standalone`` could not recover a killed worker (torch 2.13) -- and across nodes a
-    membership change can leave a round with an address no one serves. Without sharing, each
-    round's rank-0 worker hosts a fresh store, so no node stays a single point of failure.
+    Deliberately process-wide. torch's shared worker TCPStore lives in the agent that was rank 0 of
+    the first round and keeps its keys across restarts: a restarted group's gloo reads the dead
+    workers' addresses and fails (``Gloo connectFullMesh failed ... Connection refused``) until
+    every restart is spent -- the recipes' ``torchrun --standalone`` could not recover a killed
+    worker (torch 2.13) -- and across nodes a membership change can leave a round with an address
+    no one serves. Without sharing, each round's rank-0 worker hosts a fresh store, so no node stays
+    a single point of failure.
 
     torch reads the variable only through its handler: ``use_agent_store`` whenever the agent starts
     workers (exported to them as ``TORCHELASTIC_USE_AGENT_STORE``) and ``next_rendezvous`` at every
-    round. For this package's handler :func:`create_rdzv_handler` is early enough, and calls this
-    too. In a ``c10d`` agent, though, no code of this package runs but the entry-point loaders
-    (torch loads every ``torchrun.handlers`` entry point when its handler registry is imported,
-    whatever ``--rdzv-backend`` names), so they call it: every torchrun agent in an environment
-    with this package installed -- like any process importing torch's rendezvous package -- runs
-    without the shared store, and its workers inherit the setting.
+    round. In a ``c10d`` agent no code of this package runs but the entry-point loaders (torch loads
+    every ``torchrun.handlers`` entry point when its handler registry is imported, whatever
+    ``--rdzv-backend`` names), so they call this: every torchrun agent in an environment with this
+    package installed -- like any process importing torch's rendezvous package -- runs without the
+    shared store, and its workers inherit the setting.
     """
     os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")
 

@@ -12,8 +12,10 @@ import os
 import threading
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousGracefulExitError,
@@ -260,6 +262,21 @@ def test_a_node_restarting_its_workers_for_a_join_stays_whatever_its_workers_rep
     b._leave_round_early("rank 1 stopped at step 7")  # what its listener calls on a worker's report
     assert b._lease == lease and a.num_nodes_waiting() == 1 and members_gone(a.settings_error_dir) is None
     assert sorted(ranks([*join_all(a, b), newcomer.result()])) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_each_rounds_rank_0_agent_hosts_a_fresh_worker_store_that_listens_before_the_round_completes(run):
+    a, b = run(1, 2, "127.0.0.1"), run(1, 2, "127.0.0.1")
+    infos = join_all(a, b)
+    (address,) = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+    # Every worker is a client (torch's agent exports use_agent_store), and the server is up before
+    # any agent learns its address: a worker's first connect succeeds, with no retry back-off.
+    assert a.use_agent_store and b.use_agent_store
+    worker = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=10))
+    worker.set("gloo/rank-0", "an address of this round's group")
+    infos = join_all(a, b)
+    (again,) = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+    # The next round's workers find no key of the last group (gloo would read a dead peer's address).
+    assert not dist.TCPStore(*again, is_master=False, timeout=timedelta(seconds=10)).check(["gloo/rank-0"])
 
 
 def test_a_node_that_dies_is_gone_for_the_others_when_its_lease_expires(run):

@@ -237,14 +237,13 @@ def test_a_users_shared_store_setting_wins_over_the_plugins():
     assert _python(_SHOW_SHARED_STORE_ENV, **{plugin.DISABLE_SHARED_STORE_ENV: "0"}) == "0"
 
 
-def test_the_handler_hosts_a_worker_store_per_round_without_the_entry_points(etcd_endpoint, monkeypatch):
-    # Set, then deleted: monkeypatch then removes what create_rdzv_handler sets, after the test.
-    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
-    monkeypatch.delenv(plugin.DISABLE_SHARED_STORE_ENV)
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_the_handlers_workers_use_their_rounds_agent_store_whatever_torchs_switch_says(etcd_endpoint, monkeypatch, setting):
+    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, setting)
     handler = plugin.create_rdzv_handler(params(etcd_endpoint))
     try:
-        assert handler.use_agent_store is False  # what torch's agent tells the workers
-        assert os.environ[plugin.DISABLE_SHARED_STORE_ENV] == "1"  # read again at every round
+        assert handler.use_agent_store is True  # what torch's agent tells the workers
+        assert os.environ[plugin.DISABLE_SHARED_STORE_ENV] == setting  # left to torch's own handlers
     finally:
         handler.leave()
 
