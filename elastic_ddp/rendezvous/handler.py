@@ -35,10 +35,9 @@ full, closing at shutdown):
    nodes are not dropped for the outage.
 4. **Each round hosts a fresh worker store** on its rank-0 agent, listening before any worker of
    the round starts (:meth:`_bootstrap`), and the round is exported to the workers as
-   ``ELASTIC_DDP_RDZV_ROUND``. Round numbers only grow: the
-   first round of a run is numbered after the etcd revision it was created at, so even a run whose
-   keys expired and were created again never reuses a number (checkpoint commits are fenced by
-   it).
+   ``ELASTIC_DDP_RDZV_ROUND``. Round numbers only grow: the first round of a run is numbered after
+   the etcd revision it was created at, so even a run whose keys expired and were created again
+   never reuses a number (checkpoint commits are fenced by it).
 5. **Invalid settings end the job on every node, spending no restart.** The handler gives its
    agent's workers a directory of its own (``ELASTIC_DDP_SETTINGS_ERROR_DIR``, with the agent's
    pid); a worker whose settings are invalid writes the message there and waits to be stopped
