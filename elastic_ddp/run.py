@@ -45,9 +45,10 @@ order is not the script's):
    first waits for its agent to restart it; a rank stopped from outside, a preemption, first tells
    its agent that the node leaves, so that the others need not wait for its exit), skipping the
    interpreter's module teardown (0.7 s of every restart with torch imported; threads, ``atexit``
-   handlers and open files are still seen to: :mod:`elastic_ddp.exiting`). A failure that must not pass silently -- a final save
-   that failed, ``checkpoint.max_failed_saves`` failed saves in a row, storage not shared by all
-   nodes, a resume that would mix runs -- ends the job with one clear message and a non-zero status.
+   handlers and open files are still seen to: :mod:`elastic_ddp.exiting`). A failure that must not
+   pass silently -- a final save that failed, ``checkpoint.max_failed_saves`` failed saves in a
+   row, storage not shared by all nodes, a resume that would mix runs -- ends the job with one
+   clear message and a non-zero status.
 """
 
 from __future__ import annotations

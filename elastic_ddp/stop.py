@@ -46,7 +46,8 @@ import torch.distributed as dist
 from elastic_ddp.processes import agent_pid
 
 __all__ = [
-    "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "LEAVING_SOCKET", "MAX_LEAVING_MESSAGE", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
+    "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "LEAVING_SOCKET", "MAX_LEAVING_MESSAGE", "EXIT_CONFIG", "EXIT_FAILED",
+    "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
     "StopAgreement", "StopSignal", "clear_restart_marks", "exit_when_orphaned", "flush_and_exit", "members_gone",
     "nodes_joining", "read_settings_error", "report_leaving", "report_members_gone", "report_nodes_joining",
     "report_settings_error", "wait_for_restart",
@@ -375,18 +376,16 @@ def report_settings_error(message: str) -> bool:
     inherited them (a subprocess of a worker) has another parent and reports nothing. The agent
     then ends the job on every node instead of restarting workers whose settings cannot change.
     """
-    directory = os.environ.get(ENV_SETTINGS_ERROR_DIR, "")
-    if not directory or os.environ.get(ENV_AGENT_PID, "") != str(agent_pid()):
-        return False
-    return _write_whole(directory, SETTINGS_ERROR_FILE, message)
+    directory = _agents_directory()
+    return bool(directory) and _write_whole(directory, SETTINGS_ERROR_FILE, message)
 
 
 def report_leaving(why: str) -> bool:
     """Tell this worker's agent that the node leaves the job (``why``: stopped from outside, a
     preemption), its stop checkpoint committed, so that it leaves the rendezvous now rather than
     once its workers are gone; True if the agent's handler listens. Best effort, never blocking."""
-    directory = os.environ.get(ENV_SETTINGS_ERROR_DIR, "")
-    if not directory or os.environ.get(ENV_AGENT_PID, "") != str(agent_pid()):
+    directory = _agents_directory()
+    if not directory:
         return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
@@ -395,6 +394,16 @@ def report_leaving(why: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def _agents_directory() -> str:
+    """The directory this worker's agent exported to it (:data:`ENV_SETTINGS_ERROR_DIR`); "" when
+    there is none, or when this process only inherited it (a subprocess of a worker: its parent is
+    not the agent named by :data:`ENV_AGENT_PID`)."""
+    directory = os.environ.get(ENV_SETTINGS_ERROR_DIR, "")
+    if not directory or os.environ.get(ENV_AGENT_PID, "") != str(agent_pid()):
+        return ""
+    return directory
 
 
 def read_settings_error(directory: str) -> str | None:

@@ -82,8 +82,8 @@ full, closing at shutdown):
 11. **A node that is going away leaves the round when its stop checkpoint is committed**, not
     once its workers have exited and its agent has unwound (0.3-0.5 s more, on the path of every
     rank's restart): its workers, signalled from outside (a preemption), say so through a socket
-    in the agent's directory (:mod:`elastic_ddp.rendezvous.leaving`), and the handler revokes the node's
-    lease at once. Should the agent go on after all (its workers alone were signalled), it joins
+    in the agent's directory (:mod:`elastic_ddp.rendezvous.leaving`), and the handler revokes the
+    node's lease at once. Should the agent go on after all (its workers alone were signalled), it joins
     again at its next rendezvous, as a node whose lease ended does.
 """
 
@@ -528,9 +528,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _leave_round_early(self, why: str) -> None:
         """A worker of this node reported that the node leaves the job, its stop checkpoint committed
-        (:mod:`elastic_ddp.rendezvous.leaving`): revoke the node's lease now, so the others start their next round
-        without waiting for this agent's exit. Not when this agent itself is restarting its workers for
-        a membership change (it reported one): then the node stays."""
+        (:mod:`elastic_ddp.rendezvous.leaving`): revoke the node's lease now, so the others start their
+        next round without waiting for this agent's exit. Not when this agent itself is restarting its
+        workers for a membership change (it reported one): then the node stays."""
         if self._finished or self._joined is None or self._reported is not None:
             return
         with self._lock:

@@ -28,6 +28,7 @@ __all__ = ["LeavingListener"]
 
 log = logging.getLogger(__name__)
 
+
 class LeavingListener:
     """A thread that calls ``on_leaving(why)`` for each worker's :func:`~elastic_ddp.stop.report_leaving`
     (the callback makes repeats harmless: every worker of the node reports)."""
