@@ -387,10 +387,23 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     configure_logging("agent")
     params = _with_recovery_defaults(params)
     settings = handler_settings(params)  # every option is checked before a connection is made
+    _refuse_shared_store()
     client = _connected_client(params)
     store = EtcdV3Store(client, f"{settings.key_prefix}/{params.run_id}/store/")
     name = params.backend if params.backend in ("etcd", "etcd-v3") else "etcd-v3"
     return EtcdRendezvousHandler(client, store, settings, backend_name=name, local_addr=params.local_addr)
+
+
+def _refuse_shared_store() -> None:
+    """This handler gives every round a fresh worker store on its rank-0 agent, whatever
+    :data:`DISABLE_SHARED_STORE_ENV` says: a user's ``0`` (torch's one store shared across rounds)
+    cannot take effect, so it is refused by name instead of ignored."""
+    if os.environ.get(DISABLE_SHARED_STORE_ENV, "").strip() == "0":
+        raise ValueError(
+            f"{DISABLE_SHARED_STORE_ENV}=0 asks for torch's one worker store shared across rendezvous rounds, "
+            "which this handler does not use: every round gets a fresh store on its rank-0 agent (a shared "
+            "one keeps a dead group's keys). Unset the variable for jobs on this handler."
+        )
 
 
 def _per_round_worker_store() -> None:
@@ -398,7 +411,7 @@ def _per_round_worker_store() -> None:
     every rendezvous round a fresh worker store, unless the user chose otherwise by setting
     :data:`DISABLE_SHARED_STORE_ENV` themselves (``0`` keeps torch's shared store). This package's
     handler needs no variable: each of its rounds' rank-0 agent hosts a new store
-    (``EtcdRendezvousHandler._bootstrap``), whatever it says.
+    (``EtcdRendezvousHandler._bootstrap``), and it refuses a ``0`` (:func:`_refuse_shared_store`).
 
     Deliberately process-wide. torch's shared worker TCPStore lives in the agent that was rank 0 of
     the first round and keeps its keys across restarts: a restarted group's gloo reads the dead

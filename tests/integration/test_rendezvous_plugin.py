@@ -237,15 +237,19 @@ def test_a_users_shared_store_setting_wins_over_the_plugins():
     assert _python(_SHOW_SHARED_STORE_ENV, **{plugin.DISABLE_SHARED_STORE_ENV: "0"}) == "0"
 
 
-@pytest.mark.parametrize("setting", ["0", "1"])
-def test_the_handlers_workers_use_their_rounds_agent_store_whatever_torchs_switch_says(etcd_endpoint, monkeypatch, setting):
-    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, setting)
+def test_the_handlers_workers_use_their_rounds_agent_store(etcd_endpoint, monkeypatch):
+    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
     handler = plugin.create_rdzv_handler(params(etcd_endpoint))
     try:
         assert handler.use_agent_store is True  # what torch's agent tells the workers
-        assert os.environ[plugin.DISABLE_SHARED_STORE_ENV] == setting  # left to torch's own handlers
     finally:
         handler.leave()
+
+
+def test_asking_the_handler_for_torchs_shared_store_is_refused_naming_the_variable(etcd_endpoint, monkeypatch):
+    monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "0")
+    with pytest.raises(ValueError, match=f"{plugin.DISABLE_SHARED_STORE_ENV}=0 .* fresh store on its rank-0 agent"):
+        plugin.create_rdzv_handler(params(etcd_endpoint))
 
 
 _C10D_USE_AGENT_STORE = (
