@@ -28,9 +28,19 @@ fi
 [[ ${ELASTIC_DDP_TEST_SLURM:-1} == 0 ]] ||
     bash deploy/local/install-slurm.sh || echo "warning: Slurm is not installed; tests/setup/test_slurm_e2e.py will fail." >&2
 
+# Two pytest workers (pytest-xdist), each a whole test file at a time (a module's fixtures, such as
+# a job several tests inspect, run once). One after another, the tests kept this host's 2 cores busy
+# about half of their 37 minutes: the rest is waiting -- for a lease to expire, a timeout a test
+# provokes, a peer's start -- which the other worker fills (28 minutes). At most 2 by default, the
+# count the suite's timeouts were sized with; ELASTIC_DDP_TEST_WORKERS=N sets it, and 0 or 1 runs
+# every test in pytest's own process (a debugger's breakpoints need that).
+workers=${ELASTIC_DDP_TEST_WORKERS:-$(( $(nproc) < 2 ? $(nproc) : 2 ))}
+parallel=()
+((workers < 2)) || parallel=(-n "$workers" --dist loadfile)
+
 status=0
 put_scripts_on_path  # tests and the processes they start find etcdctl, moto_server, ... as when activated
-"$python" -m pytest "$@" || status=$?
+"$python" -m pytest "${parallel[@]}" "$@" || status=$?
 
 ended=$(torch_version)
 echo "torch at the end: $ended"
