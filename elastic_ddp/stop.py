@@ -87,7 +87,8 @@ class StopSignal:
     then sent SIGKILL). So a watcher thread takes the exit, woken through
     :func:`signal.set_wakeup_fd`: Python's C-level handler writes the signal's number to a pipe the
     moment the signal arrives, whatever the main thread is doing. The pipe replaces any other wakeup
-    fd of the process (an asyncio loop's) until :meth:`restore`; a forked child does not keep it.
+    fd of the process (an asyncio loop's) until :meth:`restore`; a forked child keeps neither it nor
+    the handlers.
 
     From :meth:`steps_started` on, a signal only sets a flag, so the loop can stop at a step
     boundary. Further signals while stopping are logged and otherwise ignored: on Slurm a preemption
@@ -122,7 +123,7 @@ class StopSignal:
         self._wakeup_read, self._wakeup_write = os.pipe()
         os.set_blocking(self._wakeup_write, False)  # required by set_wakeup_fd: a signal never blocks
         self._previous_wakeup = signal.set_wakeup_fd(self._wakeup_write, warn_on_full_buffer=False)
-        _WAKEUP_FDS.add(self._wakeup_write)
+        _ACTIVE.append(self)
         self._watcher = threading.Thread(target=self._watch, name="stop-signal-watch", daemon=True)
         self._watcher.start()
 
@@ -204,7 +205,7 @@ class StopSignal:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         signal.set_wakeup_fd(self._previous_wakeup)
-        _WAKEUP_FDS.discard(self._wakeup_write)
+        _ACTIVE.remove(self)
         self._restored = True
         # A byte, not end-of-file, wakes the watcher: a forked child (a DataLoader worker) may still
         # hold the pipe's write end.
@@ -214,23 +215,31 @@ class StopSignal:
         os.close(self._wakeup_read)
 
 
-# The write ends of the wakeup pipes of this process's StopSignals (see _no_wakeup_in_child).
-_WAKEUP_FDS: set[int] = set()
+# This process's StopSignals not yet restored, oldest first (see _signals_as_before_in_child).
+_ACTIVE: list[StopSignal] = []
 
 
-def _no_wakeup_in_child() -> None:
-    """In a child made by ``fork`` (a ``multiprocessing`` pool, a DataLoader worker): drop the
-    inherited wakeup fd, or the child's signals would reach the parent's watcher through the shared
-    pipe -- the SIGTERM that ``Pool.terminate()`` sends its workers would end the parent."""
-    if not _WAKEUP_FDS:
+def _signals_as_before_in_child() -> None:
+    """In a child made by ``fork`` (a ``multiprocessing`` pool, a DataLoader worker): the signal
+    handlers and wakeup fd as they were before any StopSignal. The child is not the training process:
+    with the inherited wakeup fd its signals would reach the parent's watcher through the shared pipe
+    (the SIGTERM that ``Pool.terminate()`` sends its workers would end the parent), and with the
+    inherited handler a SIGTERM would not end it (``Pool.terminate()`` would wait for it forever)."""
+    if not _ACTIVE:
         return
-    fd = signal.set_wakeup_fd(-1)  # the forking thread is the child's main thread
-    if fd not in _WAKEUP_FDS:
+    # The forking thread is the child's main thread, which may set handlers. Newest first, so that
+    # the oldest StopSignal's predecessors are what remains; a handler set since is left alone.
+    for stop in reversed(_ACTIVE):
+        for signum, previous in stop._previous.items():
+            if signal.getsignal(signum) == stop._handle:
+                signal.signal(signum, previous)
+    fd = signal.set_wakeup_fd(-1)
+    if fd not in {stop._wakeup_write for stop in _ACTIVE}:
         signal.set_wakeup_fd(fd)  # not ours: leave it
-    _WAKEUP_FDS.clear()
+    _ACTIVE.clear()
 
 
-os.register_at_fork(after_in_child=_no_wakeup_in_child)
+os.register_at_fork(after_in_child=_signals_as_before_in_child)
 
 
 def flush_and_exit(status: int) -> NoReturn:

@@ -187,6 +187,30 @@ def test_before_the_training_loop_a_signal_ends_the_process_at_once_with_the_sto
     assert expected in result.stderr
 
 
+def test_a_forked_child_is_ended_by_sigterm_as_without_the_stop_signal():
+    # A pool's terminate() SIGTERMs workers that may be blocked on its queue's lock, then joins them:
+    # a child that kept the parent's handler would only note the signal, and the join would never end.
+    result = python("""
+        import os, signal, time
+        from elastic_ddp.stop import StopSignal
+        stop = StopSignal()
+        stop.steps_started()  # in the parent a signal now only asks for a stop
+        ready, ready_write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.write(ready_write, b"1")  # past the fork's own hooks, as a pool's worker waiting for work
+            time.sleep(20)
+            os._exit(0)
+        os.read(ready, 1)
+        os.kill(child, signal.SIGTERM)
+        _, status = os.waitpid(child, 0)
+        print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, stop.requested, flush=True)
+        stop.restore()
+    """, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"], result.stdout + result.stderr
+
+
 def test_a_signal_to_a_forked_child_before_the_training_loop_does_not_end_the_parent():
     result = python("""
         import multiprocessing
