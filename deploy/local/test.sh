@@ -34,7 +34,12 @@ fi
 # provokes, a peer's start -- which the other worker fills (28 minutes). At most 2 by default, the
 # count the suite's timeouts were sized with; ELASTIC_DDP_TEST_WORKERS=N sets it, and 0 or 1 runs
 # every test in pytest's own process (a debugger's breakpoints need that).
-workers=${ELASTIC_DDP_TEST_WORKERS:-$(( $(nproc) < 2 ? $(nproc) : 2 ))}
+cores=$(nproc)
+workers=${ELASTIC_DDP_TEST_WORKERS:-$((cores < 2 ? cores : 2))}
+[[ $workers =~ ^[0-9]+$ ]] || {
+    echo "error: ELASTIC_DDP_TEST_WORKERS=$workers: expected a whole number of pytest workers (0 or 1: none)." >&2
+    exit 2
+}
 parallel=()
 ((workers < 2)) || parallel=(-n "$workers" --dist loadfile)
 
