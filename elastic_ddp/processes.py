@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["adopt_agent", "agent_pid", "start_ticks"]
+__all__ = ["adopt_agent", "agent_pid", "process_mark", "start_ticks"]
 
 # Set in a worker forked from its node's template (elastic_ddp.prestart), whose parent is the template.
 _ADOPTED_AGENT: int | None = None
@@ -34,3 +34,10 @@ def start_ticks(pid: int | str = "self") -> int | None:
             return int(stat.read().rsplit(b")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def process_mark(pid: int) -> str | None:
+    """``<pid>-<start time>`` of a live process, None when it is gone or unknown: the start time
+    tells a reused pid from the process that had it."""
+    started = start_ticks(pid)
+    return None if started is None else f"{pid}-{started}"

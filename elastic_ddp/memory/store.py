@@ -52,7 +52,7 @@ from typing import Any
 import blake3
 import torch
 
-from elastic_ddp.processes import agent_pid, start_ticks
+from elastic_ddp.processes import agent_pid, process_mark
 
 __all__ = [
     "FORMAT", "MemoryFormatError", "NodeMemory", "PartRecord", "StateOnNode", "read_part", "run_dir_name",
@@ -285,7 +285,7 @@ class NodeMemory:
             self._lock_fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # started by a torchrun agent: its parent
-            agent = _process_mark(agent_pid())
+            agent = process_mark(agent_pid())
             if agent:
                 (self.path / AGENTS_DIR).mkdir(exist_ok=True)
                 (self.path / AGENTS_DIR / agent).touch()
@@ -491,13 +491,6 @@ class NodeMemory:
             (self.path / LAST_STEP_FILE).unlink()
 
 
-def _process_mark(pid: int) -> str | None:
-    """``<pid>-<start time>`` of a live process, None when it is gone or unknown: the start time
-    tells a reused pid from the process that had it."""
-    started = start_ticks(pid)
-    return None if started is None else f"{pid}-{started}"
-
-
 def _agent_alive(run_path: Path) -> bool:
     """Whether a torchrun agent whose workers used ``run_path`` still runs (it may restart them)."""
     try:
@@ -505,4 +498,4 @@ def _agent_alive(run_path: Path) -> bool:
     except OSError:
         return False
     pids = [(mark, mark.split("-", 1)[0]) for mark in marks]
-    return any(_process_mark(int(pid)) == mark for mark, pid in pids if pid.isdigit())
+    return any(process_mark(int(pid)) == mark for mark, pid in pids if pid.isdigit())

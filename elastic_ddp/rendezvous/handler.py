@@ -97,7 +97,6 @@ import os
 import random
 import shutil
 import socket
-import tempfile
 import threading
 import time
 import weakref
@@ -127,6 +126,7 @@ from elastic_ddp.etcd import (
 from elastic_ddp.rendezvous.rounds import (
     COMPLETE, LAST_CALL, MAX_REASON_LENGTH, OPEN, RoundRecord, Seen, Step, decide, node_key,
 )  # fmt: skip
+from elastic_ddp.rendezvous.agent_dir import create_agent_dir
 from elastic_ddp.rendezvous.leaving import LeavingListener
 from elastic_ddp.rendezvous.liveness import LivenessListener, SuccessorWatch, parse_address, probe
 from elastic_ddp.rendezvous.store import EtcdV3Store
@@ -292,7 +292,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # Where this agent's workers report invalid settings (module docstring, 5.); the workers
         # inherit the agent's environment when they start.
         try:
-            self._settings_error_dir = tempfile.mkdtemp(prefix="elastic_ddp-agent-")
+            self._settings_error_dir = create_agent_dir()
             os.environ[ENV_SETTINGS_ERROR_DIR] = self._settings_error_dir
             os.environ[ENV_AGENT_PID] = str(os.getpid())
         except OSError as exc:  # the job runs as before: a bad setting then costs every restart

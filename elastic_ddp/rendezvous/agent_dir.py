@@ -1,0 +1,87 @@
+"""The agent's directory: where its workers reach it (a settings error, the marks of why they are
+stopped, the socket on which they say the node leaves, the template's socket).
+
+One per torchrun agent, in the temp directory; the handler removes its own when it leaves. An agent
+killed outright (SIGKILL, the OOM killer, a node's processes killed by hand) cannot, and on a host
+that outlives it (bare metal, a Slurm node) its directory would stay for good: so each new one
+removes those of agents that are gone first, told apart by the owner mark each directory holds:
+the agent's host, pid and start time (a reused pid does not pass for the agent, and a temp
+directory shared by several hosts keeps the others' directories).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+
+from elastic_ddp.processes import process_mark
+
+__all__ = ["PREFIX", "create_agent_dir", "remove_dirs_of_gone_agents"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "elastic_ddp-agent-"
+_OWNER_FILE = "owner"
+
+
+def create_agent_dir() -> str:
+    """A new directory for this agent, marked as its own, after removing those of agents that are gone.
+
+    Raises:
+        OSError: the directory could not be created or marked (none is left behind).
+    """
+    remove_dirs_of_gone_agents()
+    path = tempfile.mkdtemp(prefix=PREFIX)
+    mark = process_mark(os.getpid())
+    try:
+        if mark is None:
+            raise OSError(f"the start time of process {os.getpid()} is unknown (no /proc)")
+        # Written beside and renamed into place: a sweep never reads half a mark as another's.
+        with open(os.path.join(path, f".{_OWNER_FILE}"), "w", encoding="utf-8") as file:
+            file.write(f"{socket.gethostname()}\n{mark}")
+        os.replace(os.path.join(path, f".{_OWNER_FILE}"), os.path.join(path, _OWNER_FILE))
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path
+
+
+def remove_dirs_of_gone_agents(parent: str | None = None) -> int:
+    """Remove the agent directories in ``parent`` (the temp directory) that belong to this user and
+    whose agent no longer runs; the number removed.
+
+    A directory without a mark is left alone (it is being created, or older than the marks), and
+    so is one marked on another host (its agent's liveness cannot be told from here).
+    """
+    parent = parent or tempfile.gettempdir()
+    uid = os.getuid()
+    host = socket.gethostname()
+    removed = 0
+    try:
+        entries = list(os.scandir(parent))
+    except OSError as exc:
+        log.debug("Cannot list %s for agent directories left behind (%s).", parent, exc)
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(PREFIX):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            with open(os.path.join(entry.path, _OWNER_FILE), encoding="utf-8") as file:
+                owner_host, _, mark = file.read().partition("\n")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if owner_host != host:
+            continue
+        pid = mark.split("-", 1)[0]
+        if pid.isdigit() and process_mark(int(pid)) == mark:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed += not os.path.exists(entry.path)
+    if removed:
+        log.info("Removed %d directory(ies) of torchrun agents that are gone from %s.", removed, parent)
+    return removed
