@@ -19,8 +19,9 @@ one), the restarts of the worker group (resume events), the steps redone (from t
 the first step back at it). Overall: goodput -- the steps the job advanced during the schedule
 at the reference step rate, over the wall time they took -- against no-fault reference runs of
 the same job in the same sitting, one before the schedule and one after it (their mean: a host's
-speed drifts over a soak's minutes by more than the target's 5 %); the exactly-once verdict from
-the ledger; every committed checkpoint verified. Last, one worker is stopped (SIGSTOP) for ``hang`` seconds and continued: the
+speed drifts over a soak's minutes by more than the target's 5 %); the time stepping (the wall
+time less every all-rank stall, over the wall time: what the faults cost whatever the step rate at
+reduced world size); the exactly-once verdict from the ledger; every committed checkpoint verified. Last, one worker is stopped (SIGSTOP) for ``hang`` seconds and continued: the
 job rides through (collectives wait up to ``dist.timeout_s``), and costs what the hang lasted;
 that is reported apart from the goodput.
 """
@@ -260,6 +261,9 @@ def run(ctx: Context) -> Result:
     checkpoints = list_checkpoints(storage)
     damaged = [info.url for info in checkpoints if not verify_checkpoint(storage, info).ok]
     goodput = (ended_step - began_step) / reference_rate / wall
+    # The stall's share does not depend on the step rate: on this 2-core host two nodes step faster
+    # than three (fewer processes share the cores), so time at reduced world size lifts the goodput.
+    stalled = sum(value for label, values in per_fault.items() if label.endswith(": stall_s") for value in values)
 
     result.samples = {"reference": {"steps_per_s": references}, "soak": per_fault}
     result.rows = [
@@ -267,6 +271,8 @@ def run(ctx: Context) -> Result:
         row("reference after the schedule: steps per second at 3 nodes (no fault)", references[1:], "steps/s"),
         row(f"goodput over {faults} faults ({wall:.0f} s, steps {began_step}-{ended_step})", [goodput], "ratio",
             Target(">=", 0.95)),
+        row(f"time stepping over the schedule: 1 - all-rank stall ({stalled:.1f} s) / wall", [1 - stalled / wall],
+            "ratio", Target(">=", 0.95)),
         *(row(label, values, "s" if label.endswith("_s") else "count",
               Target("<=", 1.0) if label.endswith("steps_redone") else None)
           for label, values in sorted(per_fault.items()) if not label.endswith("last_step_before")),
@@ -287,6 +293,8 @@ def run(ctx: Context) -> Result:
         "below 3 nodes to the first step back at 3 (a killed node's replacement starts 3 s after the kill; a "
         "preempted node starts again once it has exited). Goodput: the steps advanced during the schedule at "
         "the reference's step rate (the mean of a no-fault run of the same job before the schedule and one "
-        "after it), over the wall time they took."
+        "after it), over the wall time they took. Time stepping: the wall time less every fault's all-rank stall, "
+        "over the wall time; unlike the goodput it does not depend on the step rate at reduced world size, "
+        "which on a host with fewer cores than processes is higher than at full size."
     )
     return result
