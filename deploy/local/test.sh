@@ -29,11 +29,12 @@ fi
     bash deploy/local/install-slurm.sh || echo "warning: Slurm is not installed; tests/setup/test_slurm_e2e.py will fail." >&2
 
 # Two pytest workers (pytest-xdist), each a whole test file at a time (a module's fixtures, such as
-# a job several tests inspect, run once). One after another, the tests kept this host's 2 cores busy
-# about half of their 37 minutes: the rest is waiting -- for a lease to expire, a timeout a test
-# provokes, a peer's start -- which the other worker fills (28 minutes). At most 2 by default, the
-# count the suite's timeouts were sized with; ELASTIC_DDP_TEST_WORKERS=N sets it, and 0 or 1 runs
-# every test in pytest's own process (a debugger's breakpoints need that).
+# a job several tests inspect, run once). On a 2-core host the suite took 37 minutes one test after
+# another, 28 on two workers -- one fills the other's waits for a lease to expire, a timeout a test
+# provokes, a peer's start -- and 31 on three, with the cores 98 % busy: past two, workers only
+# slow each other down. At most 2 by default, the count the suite's timeouts were sized with;
+# ELASTIC_DDP_TEST_WORKERS=N sets it, and 0 or 1 runs every test in pytest's own process (a
+# debugger's breakpoints need that).
 cores=$(nproc)
 workers=${ELASTIC_DDP_TEST_WORKERS:-$((cores < 2 ? cores : 2))}
 [[ $workers =~ ^[0-9]+$ ]] || {
