@@ -5,8 +5,9 @@ One per torchrun agent, in the temp directory; the handler removes its own when 
 killed outright (SIGKILL, the OOM killer, a node's processes killed by hand) cannot, and on a host
 that outlives it (bare metal, a Slurm node) its directory would stay for good: so each new one
 removes those of agents that are gone first, told apart by the owner mark each directory holds:
-the agent's host, pid and start time (a reused pid does not pass for the agent, and a temp
-directory shared by several hosts keeps the others' directories).
+the agent's host, PID namespace, pid and start time (a reused pid does not pass for the agent,
+and a temp directory shared by several hosts or containers keeps the others' directories, whose
+pids mean nothing here).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def create_agent_dir() -> str:
             raise OSError(f"the start time of process {os.getpid()} is unknown (no /proc)")
         # Written beside and renamed into place: a sweep never reads half a mark as another's.
         with open(os.path.join(path, f".{_OWNER_FILE}"), "w", encoding="utf-8") as file:
-            file.write(f"{socket.gethostname()}\n{mark}")
+            file.write(f"{_where()}\n{mark}")
         os.replace(os.path.join(path, f".{_OWNER_FILE}"), os.path.join(path, _OWNER_FILE))
     except OSError:
         shutil.rmtree(path, ignore_errors=True)
@@ -54,11 +55,12 @@ def remove_dirs_of_gone_agents(parent: str | None = None) -> int:
     whose agent no longer runs; the number removed.
 
     A directory without a mark is left alone (it is being created, or older than the marks), and
-    so is one marked on another host (its agent's liveness cannot be told from here).
+    so is one marked on another host or in another PID namespace (its agent's liveness cannot be
+    told from here).
     """
     parent = parent or tempfile.gettempdir()
     uid = os.getuid()
-    host = socket.gethostname()
+    here = _where()
     removed = 0
     try:
         entries = list(os.scandir(parent))
@@ -72,10 +74,10 @@ def remove_dirs_of_gone_agents(parent: str | None = None) -> int:
             if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
             with open(os.path.join(entry.path, _OWNER_FILE), encoding="utf-8") as file:
-                owner_host, _, mark = file.read().partition("\n")
+                where, _, mark = file.read().partition("\n")
         except (OSError, UnicodeDecodeError):
             continue
-        if owner_host != host:
+        if where != here:
             continue
         pid = mark.split("-", 1)[0]
         if pid.isdigit() and process_mark(int(pid)) == mark:
@@ -85,3 +87,12 @@ def remove_dirs_of_gone_agents(parent: str | None = None) -> int:
     if removed:
         log.info("Removed %d directory(ies) of torchrun agents that are gone from %s.", removed, parent)
     return removed
+
+
+def _where() -> str:
+    """This host and PID namespace: where a pid names one process."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = "-"
+    return f"{socket.gethostname()} {namespace}"

@@ -31,8 +31,8 @@ def _agent_dir(parent, name: str, mark: str | None):
 
 
 def _here(mark: str) -> str:
-    """An owner mark of a process on this host."""
-    return f"{socket.gethostname()}\n{mark}"
+    """An owner mark of a process on this host, in this PID namespace."""
+    return f"{socket.gethostname()} {os.readlink('/proc/self/ns/pid')}\n{mark}"
 
 
 def _mark_of_a_process_that_ended() -> str:
@@ -68,10 +68,13 @@ def test_a_reused_pid_does_not_pass_for_the_agent_that_had_it(temp):
     assert not reused.exists()
 
 
-def test_unmarked_directories_other_hosts_ones_and_other_names_are_left_alone(temp):
+def test_unmarked_directories_other_hosts_or_containers_and_other_names_are_left_alone(temp):
     unmarked = _agent_dir(temp, "unmarked", None)  # being created, or from before the marks
     garbled = _agent_dir(temp, "garbled", _here("not a mark"))
-    other_host = _agent_dir(temp, "other-host", f"another-{socket.gethostname()}\n{_mark_of_a_process_that_ended()}")
+    gone_mark = _mark_of_a_process_that_ended()
+    namespace = os.readlink("/proc/self/ns/pid")
+    other_host = _agent_dir(temp, "other-host", f"another-{socket.gethostname()} {namespace}\n{gone_mark}")
+    other_container = _agent_dir(temp, "other-container", f"{socket.gethostname()} pid:[1]\n{gone_mark}")
     other_prefix = temp / "someone-else-gone"
     other_prefix.mkdir()
     (other_prefix / "owner").write_text(_here(_mark_of_a_process_that_ended()))
@@ -79,7 +82,8 @@ def test_unmarked_directories_other_hosts_ones_and_other_names_are_left_alone(te
     plain_file.write_text("x")
     assert remove_dirs_of_gone_agents(str(temp)) == 1
     assert not garbled.exists()
-    assert unmarked.exists() and other_host.exists() and other_prefix.exists() and plain_file.exists()
+    assert unmarked.exists() and other_host.exists() and other_container.exists()
+    assert other_prefix.exists() and plain_file.exists()
 
 
 def test_creating_a_directory_first_removes_those_of_agents_that_are_gone(temp):
