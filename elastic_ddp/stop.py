@@ -30,6 +30,7 @@ rendezvous then instead of once they are gone, so the others' restart starts soo
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -182,9 +183,13 @@ class StopSignal:
                         "state in node memory or storage.", signal.Signals(signum).name, gone)  # fmt: skip
             flush_and_exit(EXIT_STOPPED)
         log.error(
-            "Signal %s was received %.0f s ago and this rank has not finished its stop at a step boundary; exiting.",
+            "Signal %s was received %.0f s ago and this rank has not finished its stop at a step boundary; exiting. "
+            "Where each of its threads was (the main thread's frame is where the stop waited):",
             signal.Signals(signum).name, grace,
         )  # fmt: skip
+        # What a user needs to tell a stuck collective from a slow save, and the one chance to see it.
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         flush_and_exit(EXIT_STOP_TIMEOUT)
 
     def stopped(self) -> None:

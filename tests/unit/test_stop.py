@@ -108,6 +108,9 @@ def test_a_stop_that_does_not_finish_within_the_grace_period_exits_with_its_own_
     assert result.returncode == EXIT_STOP_TIMEOUT, result.stderr
     assert result.stdout.splitlines() == ["stopping True 1"]
     assert "has not finished its stop at a step boundary; exiting" in result.stderr
+    # Where it was stuck: every thread's stack, the main thread's at the wait above (line 10).
+    assert "(most recent call first)" in result.stderr, result.stderr
+    assert 'File "<string>", line 10 in <module>' in result.stderr, result.stderr
 
 
 # The main thread waits in C++ (as in a collective whose peer is gone), where no Python signal
@@ -143,6 +146,8 @@ def test_a_rank_blocked_in_cpp_when_signalled_leaves_after_its_grace_short_when_
     assert result.returncode == status, result.stderr
     assert result.stdout == ""
     assert says in result.stderr
+    # A stop that timed out shows where each thread was; a rank leaving a gone peer does not.
+    assert ("(most recent call first)" in result.stderr) == (case == "preempted"), result.stderr
 
 
 def test_the_agents_marks_are_read_until_it_clears_them_for_the_next_workers(tmp_path):
