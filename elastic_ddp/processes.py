@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["adopt_agent", "agent_pid", "process_mark", "start_ticks"]
+__all__ = ["adopt_agent", "agent_pid", "marks_a_live_process", "process_mark", "start_ticks"]
 
 # Set in a worker forked from its node's template (elastic_ddp.prestart), whose parent is the template.
 _ADOPTED_AGENT: int | None = None
@@ -41,3 +41,9 @@ def process_mark(pid: int) -> str | None:
     tells a reused pid from the process that had it."""
     started = start_ticks(pid)
     return None if started is None else f"{pid}-{started}"
+
+
+def marks_a_live_process(mark: str) -> bool:
+    """Whether the process a :func:`process_mark` names still runs (False for anything else)."""
+    pid = mark.split("-", 1)[0]
+    return pid.isdigit() and process_mark(int(pid)) == mark

@@ -52,7 +52,7 @@ from typing import Any
 import blake3
 import torch
 
-from elastic_ddp.processes import agent_pid, process_mark
+from elastic_ddp.processes import agent_pid, marks_a_live_process, process_mark
 
 __all__ = [
     "FORMAT", "MemoryFormatError", "NodeMemory", "PartRecord", "StateOnNode", "read_part", "run_dir_name",
@@ -497,5 +497,4 @@ def _agent_alive(run_path: Path) -> bool:
         marks = [entry.name for entry in (run_path / AGENTS_DIR).iterdir()]
     except OSError:
         return False
-    pids = [(mark, mark.split("-", 1)[0]) for mark in marks]
-    return any(process_mark(int(pid)) == mark for mark, pid in pids if pid.isdigit())
+    return any(marks_a_live_process(mark) for mark in marks)

@@ -18,7 +18,7 @@ import shutil
 import socket
 import tempfile
 
-from elastic_ddp.processes import process_mark
+from elastic_ddp.processes import marks_a_live_process, process_mark
 
 __all__ = ["PREFIX", "create_agent_dir", "remove_dirs_of_gone_agents"]
 
@@ -77,10 +77,7 @@ def remove_dirs_of_gone_agents(parent: str | None = None) -> int:
                 where, _, mark = file.read().partition("\n")
         except (OSError, UnicodeDecodeError):
             continue
-        if where != here:
-            continue
-        pid = mark.split("-", 1)[0]
-        if pid.isdigit() and process_mark(int(pid)) == mark:
+        if where != here or marks_a_live_process(mark):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed += not os.path.exists(entry.path)

@@ -36,7 +36,7 @@ def _here(mark: str) -> str:
 
 
 def _mark_of_a_process_that_ended() -> str:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         mark = process_mark(child.pid)
     finally:
