@@ -1,5 +1,6 @@
 import logging
 import os
+import tempfile
 
 import pytest
 
@@ -9,6 +10,23 @@ pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.etcd", "tests.fixtures.th
 # workers, so they start no workers' template either (elastic_ddp.prestart). torchrun agents the
 # tests start turn it back on (tests/helpers/job.py: env()); tests/integration/test_prestart.py tests it.
 os.environ["ELASTIC_DDP_PRESTART"] = "0"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temp_files_under_pytests_own_directory(tmp_path_factory):
+    """Send every temp file the tests and their processes make (torchrun's ``torchelastic_*`` log
+    directories, agent directories, ``mkdtemp`` scratch) under pytest's base directory, which
+    ``tmp_path_retention_policy`` removes after a green run: a suite of ~1,000 tests that start
+    torchrun agents otherwise leaves thousands of directories in /tmp on every run."""
+    directory = str(tmp_path_factory.mktemp("tmp"))
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = directory
+    yield
+    environment, tempfile.tempdir = saved
+    if environment is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = environment
 
 
 @pytest.fixture(autouse=True)
