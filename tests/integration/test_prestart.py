@@ -90,6 +90,34 @@ def finish(worker: subprocess.Popen) -> tuple[int, dict, str]:
     return worker.returncode, json.loads(out.splitlines()[0]), err
 
 
+def _status_within(relay: subprocess.Popen, timeout: float, copy: int) -> int:
+    """The relay's exit status; past ``timeout``, a failure that says where the relay and its copy
+    were (a stop that never ends is what a lost signal looks like to torchrun)."""
+    try:
+        return relay.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        where = {"relay": _where(relay.pid), "copy": _where(copy)}
+        for pid in (relay.pid, copy):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        relay.stdin = None  # written and closed at the start
+        _, err = relay.communicate(timeout=30)
+        pytest.fail(f"no exit within {timeout} s of the signal: {where}; stderr: {err[-3000:]}")
+
+
+def _where(pid: int) -> str:
+    """A process's state, thread count, kernel wait channel and system call, from /proc."""
+    try:
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        syscall = Path(f"/proc/{pid}/syscall").read_text().split()[:1]
+    except OSError:
+        return "gone"
+    return f"{status.get('State')}, {status.get('Threads')} threads, waits in {wchan or '-'}, syscall {syscall}"
+
+
 def test_a_forked_worker_has_its_own_command_line_directory_environment_streams_and_status(template, script, tmp_path):
     cwd = tmp_path / "somewhere"
     cwd.mkdir()
@@ -121,7 +149,7 @@ def test_a_signal_to_the_relay_reaches_the_worker_and_a_kill_of_either_ends_both
     worker = start(template, script, "wait-for-sigterm", cwd=tmp_path)
     report = json.loads(worker.stdout.readline())
     os.killpg(worker.pid, signal.SIGTERM)
-    assert worker.wait(timeout=60) == 75
+    assert _status_within(worker, 60, report["pid"]) == 75
     # torchrun's SIGKILL (after its grace) ends the relay: the template kills the worker.
     worker = start(template, script, "sleep", cwd=tmp_path)
     report = json.loads(worker.stdout.readline())
