@@ -19,14 +19,10 @@ def _temp_files_under_pytests_own_directory(tmp_path_factory):
     ``tmp_path_retention_policy`` removes after a green run: a suite of ~1,000 tests that start
     torchrun agents otherwise leaves thousands of directories in /tmp on every run."""
     directory = str(tmp_path_factory.mktemp("tmp"))
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"] = tempfile.tempdir = directory
-    yield
-    environment, tempfile.tempdir = saved
-    if environment is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = environment
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", directory)
+        patch.setattr(tempfile, "tempdir", directory)
+        yield
 
 
 @pytest.fixture(autouse=True)
