@@ -131,6 +131,15 @@ class RunConfig(Section):
         default="runs",
         description="Directory (or fsspec URL) under which each run gets a directory of its own.",
     )
+    exit_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "Seconds a worker's exit may take once the run's end is committed: the script's threads finishing "
+            "(its thread pools told to end first, as Python's exit does), then its atexit handlers. Past it, "
+            "the threads still alive are named with their stacks and the worker exits with the run's status."
+        ),
+    )
 
     @property
     def dir(self) -> str:

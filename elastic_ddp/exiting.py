@@ -7,12 +7,24 @@ modules and freeing their objects -- takes 0.65-0.9 s on a 2-core host, against 
 until its workers are gone; a preemption pays it twice in series (the preempted node's workers,
 then the survivors' at the restart), and the node's return once more.
 
-What the script may rely on is kept, in Python's order: other non-daemon threads are joined, the
-``atexit`` handlers run (``logging``'s flush among them), and every file object still open is
-flushed and closed -- text wrappers first, then Python-level files (a ``GzipFile`` writes its
-trailer on close), then buffered writers -- as the objects' finalizers would. The standard streams
-are flushed, not closed. Objects' other ``__del__`` methods do not run; Python does not promise
-they run at exit either.
+What the script may rely on is kept, in Python's order (``Py_FinalizeEx``: ``threading._shutdown``,
+then ``atexit``):
+
+1. the threading exit hooks (``threading._register_atexit``), newest first. ``concurrent.futures``
+   registers one that wakes every idle pool thread and tells it to leave: a live
+   ``ThreadPoolExecutor`` -- a user's uploader, torch.compile's inductor pool -- ends only once it ran;
+2. the other non-daemon threads joined;
+3. the ``atexit`` handlers (``logging``'s flush among them);
+4. every file object still open flushed and closed -- text wrappers first, then Python-level files
+   (a ``GzipFile`` writes its trailer on close), then buffered writers -- as the objects' finalizers
+   would. The standard streams are flushed, not closed.
+
+Objects' other ``__del__`` methods do not run; Python does not promise they run at exit either.
+
+Unlike Python, the exit is bounded: the run's end is committed before it starts, and a thread that
+never ends would otherwise hold the node (and a batch allocation) until it is killed. Past
+``timeout_s`` the threads still alive are named with their stacks and the worker leaves with the
+run's status.
 
 Finding the open files means looking at every object the collector tracks: 0.07-0.25 s in a worker
 (measured), on the path of every restart. :func:`prepare_exit` does that search ahead, while a
@@ -25,13 +37,20 @@ from __future__ import annotations
 import atexit
 import gc
 import io
+import logging
 import sys
 import threading
+import traceback
 from typing import NoReturn
 
 from elastic_ddp.stop import flush_and_exit
 
-__all__ = ["exit_without_teardown", "prepare_exit"]
+__all__ = ["DEFAULT_EXIT_TIMEOUT_S", "exit_without_teardown", "prepare_exit", "run_threading_exit_hooks"]
+
+log = logging.getLogger(__name__)
+
+# How long the exit may take when the caller names no bound (run.exit_timeout_s's default).
+DEFAULT_EXIT_TIMEOUT_S = 60.0
 
 # The C implementations of a file's layers, outermost first; any other io.IOBase subclass is a
 # Python-level file (gzip, bz2, lzma, a user's own), which wraps one of these.
@@ -52,15 +71,54 @@ def prepare_exit() -> None:
     gc.freeze()
 
 
-def exit_without_teardown(status: int) -> NoReturn:
+def exit_without_teardown(status: int, timeout_s: float = DEFAULT_EXIT_TIMEOUT_S) -> NoReturn:
     """Leave with ``status`` as the end of the script would, minus the interpreter's module teardown
-    (see the module docstring for what is kept)."""
+    (see the module docstring for what is kept). Within ``timeout_s``: past it, the threads that
+    keep the process alive are named with their stacks on stderr and the process leaves with
+    ``status`` all the same."""
+    watchdog = threading.Timer(timeout_s, _overdue, args=(status, timeout_s))
+    watchdog.name = "exit-watchdog"
+    watchdog.daemon = True
+    watchdog.start()
+    run_threading_exit_hooks()
     current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
+    # Threads may start threads while they end: join until none is left, as threading._shutdown does.
+    while pending := [t for t in threading.enumerate() if t is not current and not t.daemon and t.is_alive()]:
+        for thread in pending:
             thread.join()
     atexit._run_exitfuncs()
     close_open_files()
+    flush_and_exit(status)
+
+
+def run_threading_exit_hooks() -> None:
+    """Run the callbacks registered with ``threading._register_atexit``, newest first, once, as
+    ``threading._shutdown()`` does before it joins the non-daemon threads (the one access to
+    threading's private list of them)."""
+    threading._SHUTTING_DOWN = True  # what _shutdown sets: a late registration raises, as at a real exit
+    hooks = list(reversed(threading._threading_atexits))
+    threading._threading_atexits.clear()
+    for hook in hooks:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - Python's own exit would print it and go on to the next step
+            traceback.print_exc()
+
+
+def _overdue(status: int, timeout_s: float) -> None:
+    """The watchdog's end: name what holds the exit, then leave with the run's status."""
+    frames = sys._current_frames()
+    holding = [t for t in threading.enumerate() if t.is_alive() and (not t.daemon or t is threading.main_thread())]
+    lines = [
+        f"The run ended (exit status {status}), but its process has not exited {timeout_s:.0f} s later "
+        "(run.exit_timeout_s): these threads keep it alive, and it leaves now without them."
+    ]
+    for thread in holding:
+        role = "main thread, running the exit" if thread is threading.main_thread() else "non-daemon thread"
+        lines.append(f'Thread "{thread.name}" ({role}):')
+        frame = frames.get(thread.ident)
+        lines.append("".join(traceback.format_stack(frame)).rstrip() if frame is not None else "  (no Python frame)")
+    log.warning("%s", "\n".join(lines))
     flush_and_exit(status)
 
 

@@ -710,7 +710,7 @@ def launch(
         code = exc.code if isinstance(exc.code, int) else EXIT_FAILED
     except BaseException as exc:  # noqa: BLE001 - every failure ends the same way: reported, then gone
         _report_and_exit(exc)
-    exit_without_teardown(code)
+    exit_without_teardown(code, cfg.run.exit_timeout_s)
 
 
 # How long a worker whose settings are invalid waits for its agent to stop it (_exit_on_settings_error);

@@ -53,3 +53,64 @@ def test_leaving_without_teardown_joins_threads_runs_atexit_and_completes_open_f
         assert packed.read() == "gzip left open " * 1000
     assert (tmp_path / "thread.txt").read_text() == "the thread finished"
     assert (tmp_path / "atexit.txt").read_text() == "atexit ran"
+
+
+def _leave(script: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_live_thread_pool_ends_at_the_exit_as_at_pythons_own(tmp_path):
+    # Idle pool threads wait for work until concurrent.futures' threading exit hook wakes them:
+    # joining them before the hook ran waited forever (torch.compile's inductor pool on CPUs, a
+    # user's uploader, the memory tier's hashing pool on GPU nodes).
+    done = _leave(f"""
+        import atexit, concurrent.futures
+        from elastic_ddp.exiting import exit_without_teardown
+
+        pool = concurrent.futures.ThreadPoolExecutor(4)
+        assert pool.submit(lambda: 6 * 7).result() == 42
+        atexit.register(lambda: open({str(tmp_path / "atexit.txt")!r}, "w").write("atexit ran"))
+        exit_without_teardown(0, timeout_s=60)
+    """, timeout=50)
+
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "atexit.txt").read_text() == "atexit ran"
+    assert "keep it alive" not in done.stderr
+
+
+def test_the_hooks_run_newest_first_before_the_threads_are_joined_and_atexit_after(tmp_path):
+    done = _leave("""
+        import atexit, threading
+        from elastic_ddp.exiting import exit_without_teardown
+
+        order = []
+        release = threading.Event()
+        worker = threading.Thread(target=lambda: (release.wait(), order.append("thread")))
+        worker.start()
+        threading._register_atexit(lambda: order.append("hook 1"))
+        threading._register_atexit(lambda: (order.append("hook 2"), release.set()))
+        atexit.register(lambda: print(" ".join(order + ["atexit"])))
+        exit_without_teardown(0)
+    """)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "hook 2 hook 1 thread atexit"
+
+
+def test_a_thread_that_never_ends_is_named_with_its_stack_and_the_exit_keeps_the_runs_status(tmp_path):
+    done = _leave("""
+        import atexit, threading, time
+        from elastic_ddp.exiting import exit_without_teardown
+
+        def upload_forever():
+            while True:
+                time.sleep(0.05)
+
+        threading.Thread(target=upload_forever, name="uploader").start()
+        exit_without_teardown(5, timeout_s=1.0)
+    """, timeout=60)
+
+    assert done.returncode == 5, done.stderr
+    assert "run.exit_timeout_s" in done.stderr
+    assert 'Thread "uploader" (non-daemon thread)' in done.stderr
+    assert "in upload_forever" in done.stderr
