@@ -90,6 +90,7 @@ from elastic_ddp.lifecycle import (
 from elastic_ddp.logs import configure_logging
 from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier
 from elastic_ddp.metrics import Metrics, create_metrics
+from elastic_ddp.prestart.environment import settle as settle_environment
 from elastic_ddp.resume import Resumed, init_from, record_resume, resume
 from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful
 from elastic_ddp.step_guard import StepGuard
@@ -676,8 +677,12 @@ def launch(
     :func:`_exit_on_settings_error`). An exception is recorded (``failures.jsonl``, torchrun's error
     file) and the worker leaves at once with status 1; a known failure prints one clear line,
     anything else its traceback. After ``main`` returns, the worker leaves as the script's end would,
-    without the interpreter's module teardown (:func:`~elastic_ddp.exiting.exit_without_teardown`).
+    without the interpreter's module teardown (:func:`~elastic_ddp.exiting.exit_without_teardown`),
+    within ``run.exit_timeout_s``.
     """
+    # What the script set in the environment before this call is settled: a warm worker whose script
+    # changed what torch read at its import has left for a fresh start by now (prestart/environment.py).
+    settle_environment()
     args = sys.argv[1:] if argv is None else list(argv)
     if "--help" in args or "-h" in args:
         # Before anything else -- no process group, no signal handlers, no logging set-up -- so it

@@ -110,6 +110,10 @@ def main(argv: list[str]) -> int:
     except ImportError:
         pass
     allowed = thread_count() or 1
+    from elastic_ddp.prestart.environment import ReadRecorder
+
+    global _READ_AT_IMPORT
+    _READ_AT_IMPORT = ReadRecorder()
     warm_asked: list[bool] = []
     signal.signal(signal.SIGUSR1, lambda *_: warm_asked.append(True))
     for name in PRELOAD_FIRST:
@@ -130,11 +134,19 @@ def main(argv: list[str]) -> int:
     return _run_worker(*served)
 
 
+# The environment variables read while this process imported (its successor's imports included,
+# in the successor): a worker's script that changes one of them before launch starts afresh.
+_READ_AT_IMPORT = None
+
+
 def _preload(name: str) -> None:
+    _READ_AT_IMPORT.start()
     try:
         importlib.import_module(name)
     except Exception:  # noqa: BLE001 - the worker imports what it needs itself, and reports
         pass
+    finally:
+        _READ_AT_IMPORT.stop()
     # What the imports made stays put: no collection in a copy touches (and so copies) those pages,
     # and a worker's exit does not walk them (what Python's gc.freeze documentation advises for a
     # process that forks workers).
@@ -323,11 +335,11 @@ def _alive(pid: int) -> bool:
 def _read_request(conn: socket.socket) -> tuple[dict | None, list[int]]:
     conn.settimeout(5.0)
     try:
-        request, fds = read_message(conn, max_fds=3)
+        request, fds = read_message(conn, max_fds=4)
     except (OSError, ValueError):
         return None, []
     conn.settimeout(None)
-    if request is None or len(fds) != 3:
+    if request is None or len(fds) != 4:
         _close_fds(fds)
         return None, []
     return request, fds
@@ -397,9 +409,11 @@ def _run_worker(request: dict, fds: list[int]) -> int:
     """In the forked copy: become the worker the relay describes, run its script, return its status."""
     os.setsid()  # a session of its own, as torchrun gives each worker
     _name_process(f"edp-rank{request['env'].get('RANK', '')}")
-    for target, fd in enumerate(fds):
+    streams, note_fd = fds[:3], fds[3]
+    for target, fd in enumerate(streams):
         os.dup2(fd, target)
-    _close_fds([fd for fd in fds if fd > 2])
+    _close_fds([fd for fd in streams if fd > 2])
+    os.set_inheritable(note_fd, False)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -424,6 +438,10 @@ def _run_worker(request: dict, fds: list[int]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import runpy
 
+    from elastic_ddp.prestart.environment import arm
+
+    # Last, once the environment is the worker's: from here on, a change is the script's.
+    arm(frozenset(_READ_AT_IMPORT.names), note_fd)
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:

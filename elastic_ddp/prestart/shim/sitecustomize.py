@@ -64,11 +64,12 @@ def _relay():
     spec.loader.exec_module(wire)
     script, args, unbuffered = command
     # From before the request on: the copy may run (and torchrun signal) before the reply comes.
+    # Every signal is kept: should the copy leave for a fresh start, this process gets them back.
     child, pending = [], []
 
     def forward(signum, frame):
+        pending.append(signum)
         if not child:
-            pending.append(signum)
             return
         try:
             os.kill(child[0], signum)
@@ -80,6 +81,7 @@ def _relay():
 
     def start_as_usual(why=None):
         conn.close()
+        os.close(note)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if why:
@@ -87,40 +89,53 @@ def _relay():
         if pending:
             os.kill(os.getpid(), pending[0])
 
+    # The copy writes here why it left for a fresh start (elastic_ddp/prestart/environment.py).
+    note, note_for_copy = os.pipe()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(2.0)
         conn.connect(path)
         request = {"script": script, "args": args, "unbuffered": unbuffered, "cwd": os.getcwd(),
                    "env": dict(os.environ), "ppid": os.getppid()}  # fmt: skip
-        wire.send_message(conn, request, [0, 1, 2])
+        wire.send_message(conn, request, [0, 1, 2, note_for_copy])
         reply, _ = wire.read_message(conn)
     except (OSError, ValueError):
         start_as_usual()  # no template (yet)
         return
+    finally:
+        os.close(note_for_copy)
     if not reply or "pid" not in reply:
         start_as_usual(reply.get("refused") if reply else None)
         return
     try:
         child.append(int(reply["pid"]))
-        _relay_until_exit(conn, wire, child[0], pending, forward)
-    finally:
-        # Never past here: Python would go on to run the script in this process too.
+        afresh = _relay_until_exit(conn, wire, child[0], pending, note)
+    except BaseException:
         os._exit(1)
+    # The copy left before the script's start was past what only a fresh process can honour: the
+    # script runs here, with the signals torchrun sent meanwhile.
+    start_as_usual(afresh)
 
 
-def _relay_until_exit(conn, wire, child, pending, forward):
+def _relay_until_exit(conn, wire, child, pending, note):
     """Pass on the signals that came during the handshake, then wait for the copy's status and
-    leave with it: its exit code, or death by its signal."""
+    leave with it: its exit code, or death by its signal. Returns only when the copy asked for a
+    fresh start instead (the reason it wrote to ``note``)."""
     import signal
 
-    for signum in pending:
-        forward(signum, None)
+    for signum in list(pending):  # a signal that comes from here on is forwarded by the handler
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
     conn.settimeout(None)
     try:
         reply, _ = wire.read_message(conn)
     except (OSError, ValueError):
         reply = None
+    afresh = _read_all(note)
+    if afresh:
+        return afresh
     status = (reply or {}).get("status")
     if status is None:
         # The template is gone; the copy leaves as an orphan, with elastic_ddp.stop.EXIT_ORPHANED.
@@ -131,6 +146,18 @@ def _relay_until_exit(conn, wire, child, pending, forward):
             signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _read_all(fd):
+    """What the copy wrote to the note pipe before it ended (its status is known, so it is there)."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while chunk := os.read(fd, 4096):
+            data += chunk
+    except OSError:  # BlockingIOError: nothing more, though a process forked from the copy holds the pipe
+        pass
+    return data.decode(errors="replace")
 
 
 def _chain():
