@@ -316,6 +316,36 @@ class CheckpointConfig(Section):
             "Needs the tier on (checkpoint.memory_overhead > 0)."
         ),
     )
+    # The three below are derived from the node (device and cores) by default; each forces the value another
+    # node would derive, so a GPU node's paths run on CPUs (docs/memory-tier.md, "Derived from the node").
+    memory_write_threads: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Threads a rank's memory save hashes its part with. 1: hashed as it is written, one pass on one thread. "
+            "More: a helper thread hashes beside the write with the rest. 0: derived -- 1 on a CPU device (the "
+            "cores are the training step's), on a GPU half the rank's share of the host's cores, 1 to 4. Needs "
+            "the tier on."
+        ),
+    )
+    memory_read_threads: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Threads a rank hashes a part with when it verifies a restore or keeps a failed step's state (nothing "
+            "else runs then; more than 1 writes a kept part with its hash beside the write). 0: derived -- the "
+            "rank's share of the host's cores. Needs the tier on."
+        ),
+    )
+    memory_direct_cost: Literal["auto", "write_cpu", "copies"] = Field(
+        default="auto",
+        description=(
+            "What a memory save's background work is taken to cost training besides what the step times show: "
+            "'write_cpu' the write's CPU time (training runs on the cores the write takes); 'copies' the "
+            "device-to-host copies' time on the training stream (training runs on a GPU; 0 without one). auto: "
+            "write_cpu on a CPU device, copies on a GPU. Needs the tier on."
+        ),
+    )
 
     # Not identity: the weights a run starts from are read only at its first start; once it has a checkpoint
     # of its own, that holds them, so a relaunch naming another source (or none: the file moved) resumes it.
@@ -366,8 +396,9 @@ class CheckpointConfig(Section):
         if self.memory_overhead > 0:
             return self
         # A setting that cannot take effect is an error, never a silent no-op.
-        for name in ("memory_every_steps", "memory_dir"):
-            if name in self.model_fields_set and getattr(self, name):
+        for name in ("memory_every_steps", "memory_dir", "memory_write_threads", "memory_read_threads",
+                     "memory_direct_cost"):  # fmt: skip
+            if name in self.model_fields_set and getattr(self, name) not in (0, "", "auto"):
                 raise ValueError(
                     f"checkpoint.{name} ({getattr(self, name)!r}) has no effect: checkpoint.memory_overhead=0 turns "
                     "the memory tier off. Drop one of the two settings."

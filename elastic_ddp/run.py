@@ -455,6 +455,8 @@ class Run:
             identity_digest=identity_digest({**self.cfg.identity(), "checkpoint.url": checkpoint_url}),
             rank=self.rank, local_rank=self.local_rank, local_world_size=self._ctx.local_world_size,
             node=self._ctx.node_rank, device=self.device, control_group=self._control, world_size=self.world_size,
+            write_threads=cfg.memory_write_threads, read_threads=cfg.memory_read_threads,
+            direct_cost=cfg.memory_direct_cost,
         )  # fmt: skip
 
     # -------------------------------------------------------------------------------------- loop

@@ -164,20 +164,24 @@ def _write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_part(path: Path, buffers: Iterable[memoryview], threads: int = 1) -> tuple[int, str]:
+def write_part(
+    path: Path, buffers: Iterable[memoryview], threads: int = 1, helper: concurrent.futures.Executor | None = None
+) -> tuple[int, str]:
     """Write ``buffers`` back to back into ``path`` (replacing its contents); its size and BLAKE3 checksum.
 
     ``threads`` 1: hashing runs on the same bytes as they are written, one pass over the data (blake3
     and file writes release the GIL on large buffers, so this runs beside training in a thread).
-    More: a helper thread hashes the bytes with ``threads - 1`` threads while this one writes them,
-    so a part takes about as long as its write instead of write + hash (for spare cores: a GPU
-    node's, or a restore's). Same checksum either way.
+    More: ``helper`` (required then; its owner shuts it down) hashes the bytes with ``threads - 1``
+    threads while this one writes them, so a part takes about as long as its write instead of
+    write + hash (for spare cores: a GPU node's, or a restore's). Same checksum either way.
 
     The file is overwritten in place and cut to the new size at the end, not truncated first: on
     tmpfs a truncation frees the file's pages and the next write allocates and zeroes them again,
     which was ~40 % of a save's write time here. The caller uncommits the part before writing, so
     no reader trusts the bytes while they change.
     """
+    if threads > 1 and helper is None:
+        raise ValueError(f"write_part with threads={threads} hashes beside the write: it needs a helper executor.")
     views = [memoryview(buffer).cast("B") for buffer in buffers]
     hasher = blake3.blake3(max_threads=max(1, threads - 1))
     hashing: concurrent.futures.Future | None = None
@@ -187,7 +191,7 @@ def write_part(path: Path, buffers: Iterable[memoryview], threads: int = 1) -> t
             for view in views:
                 hasher.update(view)
 
-        hashing = _helper().submit(hash_all)
+        hashing = helper.submit(hash_all)
     size = 0
     try:
         with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as file:
@@ -246,17 +250,6 @@ def read_part(path: Path, record: PartRecord, threads: int = 1) -> torch.Tensor:
         return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-_HELPER: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _helper() -> concurrent.futures.ThreadPoolExecutor:
-    """The thread that hashes a part while another writes it (created on first use, one per process)."""
-    global _HELPER
-    if _HELPER is None:
-        _HELPER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memory-tier-hash")
-    return _HELPER
-
-
 class NodeMemory:
     """This run's directory in node memory, as seen by one local rank (see the module docstring)."""
 
@@ -270,6 +263,9 @@ class NodeMemory:
         # Parsed commit records by path, with the stat they were read at: a writer polls the other
         # slot every save, and part 0's record holds the whole index, so it is parsed once, not per poll.
         self._parsed: dict[Path, tuple[tuple[int, int, int], PartRecord]] = {}
+        # The thread that hashes a part while another writes it (write_part with threads > 1): made at
+        # the first such write, shut down by close(), so no pool of the tier outlives its owner.
+        self._hashing: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -------------------------------------------------------------------------------- lifecycle
 
@@ -291,6 +287,11 @@ class NodeMemory:
                 (self.path / AGENTS_DIR / agent).touch()
 
     def close(self) -> None:
+        """Release the lock, the files and the hashing thread (no write may be in flight: the writes
+        are the caller's, and it waits for them first)."""
+        if self._hashing is not None:
+            self._hashing.shutdown(wait=True)
+            self._hashing = None
         for fd in (self._last_step_fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)
@@ -473,7 +474,9 @@ class NodeMemory:
         _write_json_atomic(self.slot_path(slot) / f"{part_name(record.part)}.json", record.to_json())
 
     def write(self, slot: int, part: int, buffers: Iterable[memoryview], threads: int = 1) -> tuple[int, str]:
-        return write_part(self.slot_path(slot) / f"{part_name(part)}.bin", buffers, threads)
+        if threads > 1 and self._hashing is None:
+            self._hashing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memory-tier-hash")
+        return write_part(self.slot_path(slot) / f"{part_name(part)}.bin", buffers, threads, self._hashing)
 
     def read(self, state: StateOnNode, part: int, threads: int = 1) -> torch.Tensor:
         return self.read_record(state.slot, state.records[part], threads)

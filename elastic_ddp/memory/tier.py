@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from elastic_ddp.memory.saver import Outcome, Saver
 from elastic_ddp.memory.store import NodeMemory
 from elastic_ddp.memory.survey import NodeOffer, Resume, Survey, all_ok
 
-__all__ = ["REPORT_SIZE", "MemoryTier", "MemoryTierError", "NodeOffer", "Survey"]
+__all__ = ["REPORT_SIZE", "MemoryTier", "MemoryTierError", "NodeOffer", "NodeShape", "Survey", "node_shape"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,43 @@ def _cores_per_rank(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
+@dataclass(frozen=True)
+class NodeShape:
+    """What the tier derives from the node it runs on (:func:`node_shape`), each forcible by a setting so
+    that a GPU node's values run on CPUs (docs/memory-tier.md, "Derived from the node").
+
+    ``write_threads``: threads a save's checksum uses (more than 1: hashed beside the write,
+    ``checkpoint.memory_write_threads``); ``read_threads``: threads a restore's or a keep's checksum
+    uses (``checkpoint.memory_read_threads``); ``direct_cost``: the direct measure of a save's
+    background cost, ``"write_cpu"`` or ``"copies"`` (``checkpoint.memory_direct_cost``).
+    """
+
+    write_threads: int
+    read_threads: int
+    direct_cost: str
+
+
+def node_shape(device: torch.device, cores: int, *, write_threads: int = 0, read_threads: int = 0,
+               direct_cost: str = "auto") -> NodeShape:  # fmt: skip
+    """The tier's :class:`NodeShape` for a rank training on ``device`` with ``cores`` cores of its own
+    (its share of the host's); a forced value (not 0 / ``"auto"``) wins over the derived one. Pure:
+    a ``torch.device("cuda")`` needs no GPU here.
+
+    At a restore nothing else runs, so it reads with the rank's whole share. While training on a
+    GPU a save hashes with half of it, 1 to 4 threads -- the rest is the training process's own (its
+    loop, data loading, NCCL's threads) -- and then writes about as fast as the bytes go into tmpfs
+    instead of write + hash; the step runs on the device, so what the save costs training directly
+    is the copies' time on its stream. On the CPU the cores belong to the training step: one
+    thread, and its CPU time counts as a save's cost.
+    """
+    on_cpu = device.type == "cpu"
+    return NodeShape(
+        write_threads=write_threads or (1 if on_cpu else max(1, min(4, cores // 2))),
+        read_threads=read_threads or cores,
+        direct_cost=direct_cost if direct_cost != "auto" else ("write_cpu" if on_cpu else "copies"),
+    )
+
+
 class MemoryTier:
     """One rank's part of the memory tier. Off (every method a no-op) when ``overhead`` is 0.
 
@@ -64,28 +102,27 @@ class MemoryTier:
     long a save waits for the node's other ranks to finish the previous one. ``required``: the
     user asked for the tier, so a node without room for it is an error; otherwise (the tier is on
     by default) the tier turns itself off for the attempt and :attr:`disabled` says why.
+    ``write_threads``, ``read_threads``, ``direct_cost``: forced values of :attr:`shape` (0 and
+    ``"auto"``: derived from ``device`` and the cores, see :func:`node_shape`).
     """
 
     def __init__(
         self, *, memory_dir: str, overhead: float, every_steps: int, timeout_s: float, run_name: str,
         identity_digest: str, rank: int, local_rank: int, local_world_size: int, node: int, device: torch.device,
-        control_group: Any, world_size: int = 1, required: bool = True,
+        control_group: Any, world_size: int = 1, required: bool = True, write_threads: int = 0,
+        read_threads: int = 0, direct_cost: str = "auto",
     ) -> None:  # fmt: skip
         self.enabled = overhead > 0
         self.required = required
         self.device = device
         self.ranks = Ranks(rank, world_size, local_rank, local_world_size, node)
         self.store = NodeMemory(memory_dir, run_name, identity_digest)
-        # Threads a part's checksum may use (elastic_ddp/memory/store.py): at a restore nothing else
-        # runs, so the rank's whole share of the cores. While training on a GPU, half of it -- the
-        # rest is the training process's own (its loop, data loading, NCCL's threads), and a save
-        # then writes about as fast as the bytes go into tmpfs instead of write + hash. On the CPU
-        # the cores belong to the training step: one thread, and its CPU time counts as a save's cost.
-        cores = _cores_per_rank(local_world_size)
+        self.shape = node_shape(device, _cores_per_rank(local_world_size), write_threads=write_threads,
+                                read_threads=read_threads, direct_cost=direct_cost)  # fmt: skip
         self._resume = Resume(self.store, self.ranks, memory_dir=memory_dir, group=control_group, device=device,
-                              read_threads=cores)  # fmt: skip
+                              read_threads=self.shape.read_threads)  # fmt: skip
         self._saver = Saver(self.store, self.ranks, device=device, group=control_group, timeout_s=timeout_s,
-                            write_threads=1 if device.type == "cpu" else max(1, min(4, cores // 2)), clock=_now)  # fmt: skip
+                            write_threads=self.shape.write_threads, clock=_now)  # fmt: skip
         self._interval = IntervalController(budget=overhead, every_steps=every_steps, clock=_now)
         self.failed: str | None = None  # why the tier stopped: set on every rank at the same step
         self.disabled: str | None = None  # why the tier turned itself off at the survey
@@ -229,10 +266,10 @@ class MemoryTier:
     def cost_s(self) -> float:
         """What a save costs the training loop (:func:`elastic_ddp.memory.interval.save_cost`): its stall,
         plus what its background work takes from the steps it overlaps -- measured directly (on the CPU
-        the write's CPU time, on a GPU the copies' time on the training stream) or, where larger, from
-        the steps' times."""
+        the write's CPU time, on a GPU the copies' time on the training stream: :attr:`NodeShape.direct_cost`)
+        or, where larger, from the steps' times."""
         times = self._saver.times
-        direct = times.write_cpu_s if self.device.type == "cpu" else times.copies_s
+        direct = times.write_cpu_s if self.shape.direct_cost == "write_cpu" else times.copies_s
         return save_cost(times.stall_s, direct, self._interval.background_s)
 
     def report(self) -> Report:
@@ -257,7 +294,8 @@ class MemoryTier:
     # --------------------------------------------------------------------------------- teardown
 
     def close(self) -> None:
-        """Wait for the save in flight and release the directory (its states stay for a restart)."""
+        """Wait for the save in flight and release the directory and the tier's threads (its states stay
+        for a restart)."""
         if not self.enabled:
             self.store.close()  # a tier turned off at the survey holds the directory until here
             return

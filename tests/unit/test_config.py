@@ -487,3 +487,27 @@ def test_the_settings_that_belong_together_are_accepted_together():
     load_config(["--data.num_workers=2", "--data.prefetch_batches=4"])
     load_config(["--checkpoint.resume=never", "--checkpoint.overwrite=true"])
     load_config(["--train.max_steps=20", "--train.exit_at_step=20"])
+
+
+def test_the_memory_tiers_node_derived_values_default_to_derived_and_each_can_be_forced():
+    # A GPU node's values must run on CPUs (docs/memory-tier.md, "Derived from the node"): each
+    # defaults to "derived" and takes the value a GPU node would derive.
+    cfg = load_config([]).checkpoint
+    assert (cfg.memory_write_threads, cfg.memory_read_threads, cfg.memory_direct_cost) == (0, 0, "auto")
+    forced = load_config([
+        "--checkpoint.memory_write_threads=4", "--checkpoint.memory_read_threads=2", "--checkpoint.memory_direct_cost=copies",
+    ]).checkpoint  # fmt: skip
+    assert (forced.memory_write_threads, forced.memory_read_threads, forced.memory_direct_cost) == (4, 2, "copies")
+    assert not forced.memory_asked  # tuning, not a request for the tier: a node without room still turns it off
+    for flag in ("--checkpoint.memory_write_threads=-1", "--checkpoint.memory_read_threads=-1",
+                 "--checkpoint.memory_direct_cost=gpu"):  # fmt: skip
+        with pytest.raises(ConfigError, match=flag.split("=")[0].removeprefix("--")):
+            load_config([flag])
+    # With the tier off they would do nothing: an error naming the field, never a silent no-op.
+    for flag in ("--checkpoint.memory_write_threads=4", "--checkpoint.memory_read_threads=2",
+                 "--checkpoint.memory_direct_cost=copies"):  # fmt: skip
+        name = flag.split("=")[0].removeprefix("--")
+        with pytest.raises(ConfigError, match=f"{name}.*has no effect: checkpoint.memory_overhead=0"):
+            load_config([flag, "--checkpoint.memory_overhead=0"])
+    # Their derived values are fine with the tier off.
+    assert load_config(["--checkpoint.memory_write_threads=0", "--checkpoint.memory_overhead=0"]).checkpoint.memory_write_threads == 0

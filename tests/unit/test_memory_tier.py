@@ -7,12 +7,14 @@ without torchrun. The collectives are covered by tests/chaos/test_memory_tier_e2
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import gc
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -24,7 +26,7 @@ from elastic_ddp.memory import tier as tier_module
 from elastic_ddp.memory.copies import optimizer_storages
 from elastic_ddp.memory.policy import MAX_INTERVAL, MIN_SAVES, Candidate, background_cost, choose_resume, interval
 from elastic_ddp.memory.store import MemoryFormatError, NodeMemory, PartRecord, read_part, run_dir_name, write_part
-from elastic_ddp.memory.tier import MemoryTier, MemoryTierError, NodeOffer, Survey
+from elastic_ddp.memory.tier import MemoryTier, MemoryTierError, NodeOffer, NodeShape, Survey, node_shape
 from elastic_ddp.state import ModelState, OptimizerState
 
 
@@ -53,11 +55,12 @@ def make_state(seed: int) -> tuple[dict, torch.nn.Module]:
     return {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "count": counter}, model
 
 
-def tier(memory_dir, *, local_rank=0, local_world_size=1, overhead=0.02, every=1, device="cpu") -> MemoryTier:
+def tier(memory_dir, *, local_rank=0, local_world_size=1, overhead=0.02, every=1, device="cpu", **shape) -> MemoryTier:
+    """A tier of node 0; ``shape``: forced :class:`~elastic_ddp.memory.tier.NodeShape` values."""
     return MemoryTier(
         memory_dir=str(memory_dir), overhead=overhead, every_steps=every, timeout_s=5.0, run_name="job",
         identity_digest="0123456789abcdef", rank=local_rank, local_rank=local_rank, local_world_size=local_world_size,
-        node=0, device=torch.device(device), control_group=None, world_size=local_world_size,
+        node=0, device=torch.device(device), control_group=None, world_size=local_world_size, **shape,
     )  # fmt: skip
 
 
@@ -127,9 +130,12 @@ def test_a_part_hashed_beside_its_write_has_the_same_bytes_and_checksum_and_read
     buffers = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4500, 1, 0, 2999)]
     views = [memoryview(b.numpy()).cast("B") for b in buffers]
     one, three = tmp_path / "one.bin", tmp_path / "three.bin"
-    assert write_part(one, views) == write_part(three, views, threads=3)
-    assert one.read_bytes() == three.read_bytes() == b"".join(b.numpy().tobytes() for b in buffers)
-    size, checksum = write_part(three, views, threads=3)
+    with pytest.raises(ValueError, match="needs a helper executor"):
+        write_part(three, views, threads=3)  # the caller owns the thread that hashes beside the write
+    with concurrent.futures.ThreadPoolExecutor(1) as helper:
+        assert write_part(one, views) == write_part(three, views, threads=3, helper=helper)
+        assert one.read_bytes() == three.read_bytes() == b"".join(b.numpy().tobytes() for b in buffers)
+        size, checksum = write_part(three, views, threads=3, helper=helper)
     assert torch.equal(read_part(three, PartRecord(1, 0, 1, size, checksum, "d"), threads=2), torch.cat(buffers))
     raw = bytearray(three.read_bytes())
     raw[-1] ^= 1
@@ -592,9 +598,13 @@ def test_a_saves_cost_counts_its_background_write_only_when_training_runs_on_the
     assert t.stall_s > 0 and t.write_cpu_s > 0
     # On the CPU the write takes cores from the step: the agreement and the interval see it.
     assert t.report()[0] == pytest.approx(t.stall_s + t.write_cpu_s)
-    # On a GPU it runs on host cores the step does not use: only the stall counts.
-    t.device = torch.device("cuda", 0)
-    assert t.cost_s == t.stall_s
+    # On a GPU it runs on host cores the step does not use: only the stall counts (and the copies,
+    # none without CUDA) -- forced here, on CPUs, as a GPU node derives it.
+    gpu = tier(tmp_path / "gpu", every=0, overhead=0.02, direct_cost="copies")
+    gpu.survey(state, fresh=False)
+    gpu.after_step(1, state, None)
+    gpu.close()
+    assert gpu.write_cpu_s > 0 and gpu.cost_s == gpu.stall_s
 
 
 class _Clock:
@@ -718,6 +728,44 @@ def test_the_settings_are_validated_with_the_field_named():
     for flag in ("--checkpoint.memory_every_steps=1", "--checkpoint.memory_dir=/dev/shm/x"):
         with pytest.raises(ConfigError, match=f"{flag.split('=')[0].removeprefix('--')}.*has no effect: checkpoint.memory_overhead=0"):
             load_config([flag, "--checkpoint.memory_overhead=0"])
+
+
+def test_the_node_shape_is_derived_from_the_device_and_the_cores_and_each_value_can_be_forced():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 3)  # a device object needs no GPU
+    assert node_shape(cpu, 8) == NodeShape(write_threads=1, read_threads=8, direct_cost="write_cpu")
+    # A GPU node: half the rank's share of the cores hash a save (1 to 4), the copies are its direct cost.
+    assert [node_shape(cuda, cores).write_threads for cores in (1, 2, 3, 4, 8, 9, 64)] == [1, 1, 1, 2, 4, 4, 4]
+    assert node_shape(cuda, 2) == NodeShape(write_threads=1, read_threads=2, direct_cost="copies")  # 16 cores, 8 ranks
+    # Forced: a GPU node's shape on a 1-core CPU rank, and a CPU's on a GPU.
+    assert node_shape(cpu, 1, write_threads=4, read_threads=3, direct_cost="copies") == NodeShape(4, 3, "copies")
+    assert node_shape(cuda, 8, write_threads=1, direct_cost="write_cpu") == NodeShape(1, 8, "write_cpu")
+
+
+def test_a_gpu_nodes_threads_run_on_cpus_and_every_thread_of_the_tier_ends_with_it(tmp_path, monkeypatch):
+    def tier_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("memory-tier")]
+
+    monkeypatch.setattr(tier_module, "_cores_per_rank", lambda local_world_size: 1)  # this CPU's derived values
+    derived = tier(tmp_path)
+    assert derived.shape == NodeShape(1, 1, "write_cpu") and (derived.write_threads, derived.read_threads) == (1, 1)
+    derived.close()
+    saved, _ = make_state(1)
+    expected = flat(saved)
+    writer = tier(tmp_path, write_threads=4, read_threads=3, direct_cost="copies")
+    assert (writer.write_threads, writer.read_threads, writer.shape.direct_cost) == (4, 3, "copies")
+    writer.survey(saved, fresh=False)
+    for step in (1, 2, 3):  # each part hashed beside its write, on the node memory's own helper thread
+        writer.after_step(step, saved, None)
+    writer.commit(3, saved)
+    assert "memory-tier-hash_0" in tier_threads()
+    writer.close()
+    assert tier_threads() == []  # the writer's and the hashing pool's threads end with the tier
+    target, _ = make_state(2)
+    reader = tier(tmp_path, read_threads=3)
+    assert restore_newest(reader, target)
+    assert all(torch.equal(v, expected[k]) for k, v in flat(target).items())
+    reader.close()
+    assert tier_threads() == []
 
 
 def test_an_overhead_of_zero_turns_the_tier_off(tmp_path):
