@@ -15,8 +15,10 @@ the library, once its process group exists. A change of a recorded variable, or 
 native libraries torch loads read as they load (:data:`READ_AT_LOAD_PREFIXES`: OpenMP, MKL,
 OpenBLAS), ends the fork at once, before anything of the script's has run past that line; its relay
 (``shim/sitecustomize.py``) prints one line saying why and runs the script itself, as a fresh process
-(:func:`arm`'s ``note_fd`` carries the reason). A change made by torch's own code is not the script's
-and is left alone, and so is one that leaves the value as it was.
+(:func:`arm`'s ``note_fd`` carries the reason). Only the script's own code counts -- a change made by
+an installed package as it is imported (scikit-learn and threadpoolctl set ``KMP_DUPLICATE_LIB_OK``),
+by the standard library or by this library is what a fresh process gets too -- and so does only a
+change that alters the value.
 
 Standard library only, and nothing runs while no fork is armed: a worker that starts as usual, or
 a fork once settled, pays one early return per audited event.
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import _collections_abc
 import os
+import site
 import sys
+import sysconfig
 
 __all__ = ["READ_AT_LOAD_PREFIXES", "ReadRecorder", "arm", "settle"]
 
@@ -61,8 +65,9 @@ class ReadRecorder:
             self._previous = None
 
 
-# The armed state of this process: the names that matter, the relay's pipe, torch's directory.
-_armed: tuple[frozenset[str], int, str] | None = None
+# The armed state of this process: the names that matter, the relay's pipe, the directories whose
+# code is not the script's.
+_armed: tuple[frozenset[str], int, tuple[str, ...]] | None = None
 _hook_installed = False
 
 
@@ -71,9 +76,7 @@ def arm(read_at_import: frozenset[str], note_fd: int) -> None:
     (see the module docstring). ``read_at_import``: what the template's imports read;
     ``note_fd``: the write end of the relay's pipe, for the reason a fresh start is needed."""
     global _armed, _hook_installed
-    torch = sys.modules.get("torch")
-    torch_dir = os.path.dirname(torch.__file__) + os.sep if torch is not None and torch.__file__ else "\0"
-    _armed = (read_at_import, note_fd, torch_dir)
+    _armed = (read_at_import, note_fd, _installed_code())
     if not _hook_installed:
         sys.addaudithook(_audit)  # audit hooks cannot be removed: settle() makes it return at once
         os.register_at_fork(after_in_child=_forget_in_child)
@@ -102,12 +105,12 @@ def _forget_in_child() -> None:
 def _audit(event: str, args: tuple) -> None:
     if _armed is None or (event != "os.putenv" and event != "os.unsetenv"):
         return
-    names, note_fd, torch_dir = _armed
+    names, note_fd, installed = _armed
     key = os.fsdecode(args[0])
     if key not in names and not key.startswith(READ_AT_LOAD_PREFIXES):
         return
     value = os.fsdecode(args[1]) if event == "os.putenv" else None
-    if os.environ.get(key) == value or _set_by(torch_dir):
+    if os.environ.get(key) == value or _set_by(installed):
         return
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
@@ -122,16 +125,34 @@ def _audit(event: str, args: tuple) -> None:
     )
 
 
-# Where os.environ's own methods live: its class, and the mapping methods it inherits (setdefault, update).
-_MAPPING_CODE = frozenset({os.__file__, _collections_abc.__file__})
+# Where os.environ's own methods live: its class, and the mapping methods it inherits (setdefault,
+# update) -- by the code's own file name, which for the frozen modules of Python 3.11+ is "<frozen os>".
+_MAPPING_CODE = frozenset(
+    {os._Environ.__setitem__.__code__.co_filename, _collections_abc.MutableMapping.setdefault.__code__.co_filename}
+)
 
 
-def _set_by(directory: str) -> bool:
-    """Whether the code that changed the environment lives under ``directory`` (past os.py's frames)."""
+def _installed_code() -> tuple[str, ...]:
+    """The directories of code that is not the script's: the standard library, every site-packages
+    directory, this library's and torch's (either may be installed elsewhere, e.g. editable)."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    dirs.update(site.getsitepackages())
+    dirs.add(site.getusersitepackages())
+    for name in ("torch", "elastic_ddp"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            dirs.add(os.path.dirname(module.__file__))
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+def _set_by(directories: tuple[str, ...]) -> bool:
+    """Whether the code that changed the environment (past os.environ's own frames) lives under one
+    of ``directories``."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename in _MAPPING_CODE:
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(directory)
+    return frame is None or os.path.realpath(frame.f_code.co_filename).startswith(directories)
 
 
 def _start_afresh(note_fd: int, why: str) -> None:

@@ -16,6 +16,7 @@ def _armed_script(body: str) -> tuple[subprocess.CompletedProcess, str]:
     script = textwrap.dedent("""
         import os, sys
         os.environ["EDP_TEST_READ"] = "before"  # the worker's environment, set before arming
+        os.environ.pop("KMP_DUPLICATE_LIB_OK", None)
         from elastic_ddp.prestart.environment import arm, settle
         arm(frozenset({"EDP_TEST_READ"}), int(sys.argv[1]))
     """) + textwrap.dedent(body)
@@ -31,6 +32,8 @@ def _armed_script(body: str) -> tuple[subprocess.CompletedProcess, str]:
 def test_a_change_of_a_variable_read_at_import_ends_the_fork_with_the_reason():
     done, note = _armed_script("""
         os.environ["EDP_TEST_OWN"] = "1"         # nothing imported read it: no fresh start needed
+        import threadpoolctl                     # an installed package sets KMP_DUPLICATE_LIB_OK: not the script
+        assert os.environ["KMP_DUPLICATE_LIB_OK"] == "True"
         os.environ["EDP_TEST_READ"] = "before"   # the same value: nothing changes
         print("reached", flush=True)
         os.environ["EDP_TEST_READ"] = "after"
