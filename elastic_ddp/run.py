@@ -357,7 +357,9 @@ class Run:
     ) -> DistributedDataParallel:
         """Wrap ``model`` in DDP, register what a checkpoint must hold, and resume; returns the DDP model.
 
-        ``model`` must already be on :attr:`device`. ``scheduler`` and every keyword object -- anything
+        ``model`` must already be on :attr:`device`; it may be compiled (``torch.compile(model)``): DDP
+        wraps it as it is, and checkpoints name its state by the plain module's names, as an eager
+        run's (see docs/your-model.md, "Compiled models"). ``scheduler`` and every keyword object -- anything
         with ``state_dict()`` and ``load_state_dict()``, as is: an EMA ``AveragedModel`` or a teacher
         (any ``nn.Module``), another optimizer, a ``torch.amp.GradScaler``, the script's own counters --
         are saved in every checkpoint and restored on resume, as are the model, the optimizer and the

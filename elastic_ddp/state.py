@@ -8,7 +8,8 @@ int, float, str, lists, tuples and dicts of these). :func:`as_stateful` takes an
 
 Models and optimizers get adapters (:class:`ModelState`, :class:`OptimizerState`) that go through
 ``torch.distributed.checkpoint.state_dict``: keys are parameter names (not optimizer-internal
-integer ids), a ``DistributedDataParallel`` wrapper is seen through, and an optimizer that has not
+integer ids), a ``DistributedDataParallel`` or ``torch.compile`` wrapper is seen through (the names are
+the plain module's, so compiled and eager runs share checkpoints), and an optimizer that has not
 stepped yet gets its state tensors allocated, so a checkpoint loads *into* them in place. Made with
 ``replicated=True`` (the run does so for the model it wraps in DDP and its optimizer), they declare
 the tensors DDP keeps the same on every rank -- trainable parameters and the optimizer's state --
@@ -19,6 +20,7 @@ it differs.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,7 +44,7 @@ try:  # the steps of get_model_state_dict / get_optimizer_state_dict, to check t
 except ImportError:  # another torch: the public functions, which check them every call
     _verify_options = None
 
-__all__ = ["ModelState", "OptimizerState", "Stateful", "as_stateful", "check_stateful", "synced_paths"]
+__all__ = ["ModelState", "OptimizerState", "Stateful", "as_stateful", "check_stateful", "synced_paths", "unwrap_model"]
 
 # Names a user may not give to state: the checkpoint format keeps per-rank state under this prefix.
 RESERVED_PREFIX = "_rank_"
@@ -75,8 +77,8 @@ def check_stateful(name: str, obj: object) -> None:
 
 def as_stateful(name: str, obj: object) -> Stateful:
     """``obj`` as a checkpointable object under ``name``: an ``nn.Module`` (an EMA ``AveragedModel``, a
-    teacher) as a :class:`ModelState` (keys are its parameter and buffer names, a DDP wrapper seen
-    through), anything else with ``state_dict()``/``load_state_dict()`` as is (an optimizer, a
+    teacher) as a :class:`ModelState` (keys are its parameter and buffer names, a DDP or ``torch.compile``
+    wrapper seen through), anything else with ``state_dict()``/``load_state_dict()`` as is (an optimizer, a
     scheduler, a ``GradScaler``, a user's counters). Raises like :func:`check_stateful`."""
     if isinstance(obj, torch.nn.Module):
         obj = ModelState(obj)
@@ -98,9 +100,27 @@ def synced_paths(state: Mapping[str, Stateful]) -> Callable[[tuple[Any, ...]], b
     return synced
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    # DDP keeps the user's module as .module; its state dict keys would otherwise carry "module.".
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's own module inside ``model``: through a ``DistributedDataParallel`` wrapper (``.module``)
+    and a ``torch.compile`` wrapper (``OptimizedModule._orig_mod``), in either order or both.
+
+    A checkpoint names the module's state by the plain module's names -- never ``module.`` or
+    ``_orig_mod.`` -- so that checkpoints of compiled and eager runs, with or without DDP, are one format.
+    """
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif _is_compiled(model):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _is_compiled(model: torch.nn.Module) -> bool:
+    # Only torch.compile creates an OptimizedModule, and it imports torch._dynamo first: while that is
+    # not imported, no module is one -- and importing it here would cost every worker a second.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
 class _Options:
@@ -128,14 +148,14 @@ class _Options:
 
 
 class ModelState:
-    """A model's parameters and buffers, keyed by their names (a DDP wrapper is seen through).
+    """A model's parameters and buffers, keyed by the plain module's names (:func:`unwrap_model`).
 
     ``replicated``: DDP keeps this model's trainable parameters the same on every rank (see the
     module docstring); its buffers are compared at each save whatever this says.
     """
 
     def __init__(self, model: torch.nn.Module, *, replicated: bool = False) -> None:
-        self.model = _unwrap(model)
+        self.model = unwrap_model(model)
         self._options = _Options(self.model, ())
         self._replicated = replicated
 
@@ -170,7 +190,7 @@ class OptimizerState:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replicated: bool = False) -> None:
-        self.model = _unwrap(model)
+        self.model = unwrap_model(model)
         self.optimizer = optimizer
         self._options = _Options(self.model, (optimizer,))
         self._replicated = replicated

@@ -8,7 +8,8 @@ Several machines, 1 to 4 of them, joined through etcd (run the same line on ever
 
     torchrun --nnodes=1:4 --nproc-per-node=8 --max-restarts=3 \
         --rdzv-backend=etcd --rdzv-endpoint=etcd-0:2379,etcd-1:2379,etcd-2:2379 --rdzv-id=my-run \
-        recipes/train.py --config recipes/configs/lm-gpu.yaml --checkpoint.url=s3://bucket/my-run
+        recipes/train.py --config recipes/configs/lm-gpu.yaml --checkpoint.url=s3://bucket/my-run \
+        --train.compile=true
 
 The local demo (a bundled etcd and 2 agents on this machine)::
 
@@ -35,13 +36,20 @@ from lm import (
 
 
 class Train(edp.TrainConfig):
-    """The library's ``train`` section plus this recipe's optimizer settings."""
+    """The library's ``train`` section plus this recipe's optimizer settings and whether to compile."""
 
     lr: float = Field(default=3e-3, gt=0, description="Peak learning rate (AdamW).")
     min_lr: float = Field(default=3e-4, ge=0, description="Learning rate at the end of the cosine decay.")
     warmup_steps: int = Field(default=20, ge=0, description="Steps of linear learning-rate warm-up.")
     weight_decay: float = Field(default=0.1, ge=0, description="AdamW weight decay (matrices and embeddings).")
     grad_clip: float = Field(default=1.0, ge=0, description="Clip the global gradient norm to this. 0: off.")
+    compile: bool = Field(
+        default=False,
+        description=(
+            "Compile the model with torch.compile (the first step of each worker start then takes longer). "
+            "Checkpoints are the same as an eager run's: either resumes the other's."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_lr(self) -> "Train":
@@ -64,7 +72,8 @@ def train(run: edp.Run) -> None:
     # Warm-up, then cosine decay: a pure function of the step, saved and restored with the scheduler.
     schedule = warmup_cosine(cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.min_lr / cfg.train.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    ddp_model = run.setup(model, optimizer, scheduler)
+    # Compiled before setup: DDP wraps the compiled module, and checkpoints keep the plain module's names.
+    ddp_model = run.setup(torch.compile(model) if cfg.train.compile else model, optimizer, scheduler)
 
     # The fingerprint ties the checkpoints to these bytes: other data would make the cursor lie.
     for step in run.steps(ByteWindows(corpus, cfg.model.block_size), fingerprint=corpus_fingerprint(corpus)):

@@ -5,7 +5,8 @@ counter whose value differs per rank. Nothing in it knows that BatchNorm statist
 ranks under DDP: the library must keep that right by itself.
 
 At the end of the run every rank writes what it holds to ``<run dir>/final-rank<R>.pt`` (model,
-EMA, counter), for the tests to compare with another run's.
+EMA, counter), for the tests to compare with another run's. ``--train.compile=true`` hands
+``torch.compile(model)`` to ``run.setup``, as users of compiled models do.
 """
 
 import torch
@@ -25,7 +26,12 @@ class ModelSettings(edp.Section):
     ema_decay: float = Field(default=0.9, gt=0, lt=1, description="Decay of the EMA of the weights.")
 
 
+class Train(edp.TrainConfig):
+    compile: bool = Field(default=False, description="Hand torch.compile(model) to run.setup, as users do.")
+
+
 class Settings(edp.Config):
+    train: Train = Field(default_factory=Train)
     model: ModelSettings = Field(default_factory=ModelSettings)
 
 
@@ -103,7 +109,8 @@ def train(run: edp.Run) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-2, total_steps=run.cfg.train.max_steps)
     counter, late = SeenCounter(), LateStatistic()
-    ddp_model = run.setup(model, optimizer, scheduler, ema=ema, counter=counter, late=late)
+    ddp_model = run.setup(torch.compile(model) if run.cfg.train.compile else model, optimizer, scheduler, ema=ema,
+                          counter=counter, late=late)  # fmt: skip
     for step in run.steps(Digits(), collate_fn=pad_collate):
         for images, labels in step:
             step.backward(F.cross_entropy(ddp_model(images), labels))
