@@ -6,16 +6,18 @@ threads (``--checkpoint.memory_read_threads=2``, a kept part then hashed beside 
 a save's cost without the write's CPU time (``--checkpoint.memory_direct_cost=copies``).
 
 Each script -- the language-model recipe, the classifier recipe and the BatchNorm + EMA script of
-tests/workers/ordinary_model.py -- runs once, as one job of 3 nodes (one rank each, a memory
-directory each, as three machines) through every event of a run's life:
+tests/workers/ordinary_model.py -- runs once, as one job of 4 nodes (one rank each, a memory
+directory each, as four machines) through every event of a run's life:
 
 1. the start, with saves to node memory and durable checkpoints every ``DURABLE_EVERY`` steps;
-2. rank 1's worker SIGKILLed at step ``KILL_AT``: the job restarts at 3 ranks and resumes from the
+2. rank 1's worker SIGKILLed at step ``KILL_AT``: the job restarts at 4 ranks and resumes from the
    memory tier;
-3. a node (not rank 0's) preempted (SIGTERM to its agent) once a durable checkpoint after the
-   restart is committed: the stop is committed, the node leaves, the other two resume at 2 ranks;
-4. the finish at ``MAX_STEPS``, its final checkpoint verified, the survivors' node memory freed;
-5. the exit: the preempted node's torchrun within ``EXIT_S`` of the survivors' resume, the others'
+3. a node (not rank 0's) killed with all its processes: the other three resume at 3 ranks from the
+   state a survivor kept in its node memory;
+4. another node preempted (SIGTERM to its agent) once a durable checkpoint after that is committed:
+   the stop is committed, the node leaves, the other two resume at 2 ranks;
+5. the finish at ``MAX_STEPS``, its final checkpoint verified, the survivors' node memory freed;
+6. the exit: the preempted node's torchrun within ``EXIT_S`` of the survivors' resume, the others'
    with status 0 within ``EXIT_S`` of the last step's line. A worker that outlives its run (a live
    thread pool at its exit) fails the test saying so, not by hanging it.
 """
@@ -37,7 +39,8 @@ from tests.helpers.job import CLASSIFIER, RECIPE, REPO, Job, resumed_steps, step
 pytestmark = pytest.mark.slow
 
 ORDINARY = REPO / "tests" / "workers" / "ordinary_model.py"
-MAX_STEPS, DURABLE_EVERY, KILL_AT = 36, 8, 10
+MAX_STEPS, DURABLE_EVERY, KILL_AT = 44, 8, 10
+MACHINES = "abcd"
 # What a GPU node derives (elastic_ddp/memory/tier.py: node_shape), forced on this CPU host.
 GPU_SHAPE = [
     "--checkpoint.memory_write_threads=4", "--checkpoint.memory_read_threads=2", "--checkpoint.memory_direct_cost=copies",
@@ -90,26 +93,34 @@ def test_a_run_in_the_gpu_nodes_shape_survives_a_kill_and_a_preemption_and_exits
     recipe, flags = SCRIPTS[script]
     started = time.monotonic()
     job = Job(
-        etcd_endpoint, tmp_path, nnodes="2:3", run_id=f"gpu-shape-{script}", rdzv_id=f"gpu-shape-{script}-{uuid.uuid4().hex[:6]}",
+        etcd_endpoint, tmp_path, nnodes=f"2:{len(MACHINES)}", run_id=f"gpu-shape-{script}", rdzv_id=f"gpu-shape-{script}-{uuid.uuid4().hex[:6]}",
         recipe=recipe, extra_env={"ELASTIC_DDP_FAULT": f"kill@{KILL_AT}:rank=1:restart=0"},
         flags=[f"--train.max_steps={MAX_STEPS}", f"--checkpoint.every_steps={DURABLE_EVERY}", "--checkpoint.keep_last=10",
                "--data.ledger=true", *GPU_SHAPE, *flags],
     )  # fmt: skip
     try:
-        for machine in "abc":
+        for machine in MACHINES:
             job.add_node(flags=[f"--checkpoint.memory_dir={tmp_path / f'shm-{machine}'}"])
-        # 1-2. Rank 1 dies at step KILL_AT; the restart at 3 ranks resumes from node memory.
+        # 1-2. Rank 1 dies at step KILL_AT; the restart at 4 ranks resumes from node memory.
         [record] = job.wait_until(lambda: resume_records(job), 240, "a resume after rank 1's kill")
         assert record["tier"] == "memory", record
         assert KILL_AT - 3 <= record["step"] < KILL_AT, record
-        after_kill = record["step"]
-        # 3. A node leaves (preempted) once a durable checkpoint after the restart is committed.
-        committed = (after_kill // DURABLE_EVERY + 1) * DURABLE_EVERY
+        # 3. A node dies with its processes; the other three resume from a survivor's node memory.
+        job.wait_for_step(record["step"] + 4, world_size=4)
+        host = rank0_node(job)
+        killed = next(node for node in job.nodes if node is not host)
+        mark = job.mark()
+        killed.kill()
+        job.wait_for_training_since(mark, time.monotonic(), world_size=3)
+        after_node_kill = job.wait_until(lambda: resume_records(job)[1:], 60, "the resume after the node kill")[0]
+        assert after_node_kill["tier"] == "memory", after_node_kill
+        # 4. A node leaves (preempted) once a durable checkpoint after the node kill is committed.
+        committed = (after_node_kill["step"] // DURABLE_EVERY + 1) * DURABLE_EVERY
         job.wait_for_commit(committed, timeout=180)
         job.wait_for_step(committed + 2, world_size=3)
         host = rank0_node(job)
-        preempted = next(node for node in job.nodes if node is not host)
-        survivors = [node for node in job.nodes if node is not preempted]
+        preempted = next(node for node in job.nodes if node is not host and node is not killed)
+        survivors = [node for node in job.nodes if node is not preempted and node is not killed]
         mark = job.mark()
         preempted.terminate()
         job.wait_for_training_since(mark, time.monotonic(), world_size=2)
@@ -129,8 +140,10 @@ def test_a_run_in_the_gpu_nodes_shape_survives_a_kill_and_a_preemption_and_exits
     infos = list_checkpoints(storage)
     assert MAX_STEPS in [info.step for info in infos] and all(verify_checkpoint(storage, info).ok for info in infos)
     records = resume_records(job)
-    assert [r["tier"] for r in records][:1] == ["memory"] and len(records) == 2, records
-    # The finish freed the survivors' node memory; the preempted machine's stop kept its own (a stop may be resumed).
-    held = {machine: bool(list((tmp_path / f"shm-{machine}").glob("*/run.json"))) for machine in "abc"}
-    assert held == {machine: node is preempted for machine, node in zip("abc", job.nodes)}, held
-    print(f"{script}: kill, preemption, finish and exit in the GPU node's shape in {time.monotonic() - started:.0f} s")
+    assert [r["tier"] for r in records][:2] == ["memory", "memory"] and len(records) == 3, records
+    # The finish freed the survivors' node memory; the preempted machine's stop kept its own (a stop may be
+    # resumed), and the killed machine's stays as it was left.
+    held = {machine: bool(list((tmp_path / f"shm-{machine}").glob("*/run.json"))) for machine in MACHINES}
+    assert held == {machine: node in (preempted, killed) for machine, node in zip(MACHINES, job.nodes)}, held
+    print(f"{script}: worker kill, node kill, preemption, finish and exit in the GPU node's shape in "
+          f"{time.monotonic() - started:.0f} s")
