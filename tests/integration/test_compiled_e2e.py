@@ -28,10 +28,11 @@ STEPS = 12
 RANKS = 3
 
 
-def run(root: Path, name: str, *flags: str, fault: str = "", restarts: int = 0) -> str:
-    """One torchrun launch of the script at 3 ranks (its own working directory: its own node memory); its output."""
+def run(root: Path, name: str, *flags: str, fault: str = "", restarts: int = 0, ranks: int = RANKS) -> str:
+    """One torchrun launch of the script at ``ranks`` ranks (its own working directory: its own node memory);
+    its output."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
         f"--max-restarts={restarts}", "--monitor-interval=0.1", str(SCRIPT), f"--run.root={root}", f"--run.name={name}",
         "--checkpoint.every_steps=20", "--data.ledger=true", "--logging.every_steps=1", *flags,
     ]  # fmt: skip
@@ -94,3 +95,17 @@ def test_compiled_and_eager_runs_resume_each_others_checkpoints(root, uninterrup
     assert list(read_ledger(root / name)) == list(range(1, STEPS + 1))
     index = json.loads((root / name / "checkpoints" / f"step-{STEPS:09d}" / "index.json").read_text())
     assert "_orig_mod" not in json.dumps(index["state"]), index["state"]["model"]  # the plain module's names
+
+
+def test_a_compiled_run_resized_from_3_to_2_ranks_trains_on_with_the_same_samples(root, uninterrupted):
+    name = "resized"
+    run(root, name, f"--train.max_steps={STEPS}", "--train.exit_at_step=6", "--train.compile=true")
+    output = run(root, name, f"--train.max_steps={STEPS}", "--train.compile=true", ranks=2)
+    assert "Resumed from the durable tier at step 6" in output or "Resumed from the memory tier at step 6" in output, \
+        output[-4000:]
+    history, want = read_ledger(root / name), read_ledger(root / uninterrupted)
+    assert list(history) == list(range(1, STEPS + 1))
+    # The same samples at every step, whatever the world size; the split over ranks follows it.
+    assert [e.all_indices for e in history.values()] == [e.all_indices for e in want.values()]
+    assert {e.world_size for s, e in history.items() if s <= 6} == {3}
+    assert {e.world_size for s, e in history.items() if s > 6} == {2}
