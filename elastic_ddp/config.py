@@ -347,6 +347,17 @@ class CheckpointConfig(Section):
         ),
     )
 
+    share_compiled: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description=(
+            "Share what torch.compile built between nodes, beside the checkpoints (torch.compiler's portable "
+            "cache artifacts under <checkpoint.url>/compile/), so that a node that joins does not compile from "
+            "scratch. The artifacts hold code: auto shares them only signed with ELASTIC_DDP_CHECKPOINT_KEY; on "
+            "shares them unsigned too (whoever can write the storage can then run code on every node); off "
+            "never. Only for a compiled model."
+        ),
+    )
+
     # Not identity: the weights a run starts from are read only at its first start; once it has a checkpoint
     # of its own, that holds them, so a relaunch naming another source (or none: the file moved) resumes it.
     init_from: str = Field(

@@ -280,3 +280,25 @@ def record_resume(
         failures.record_resume(tier=resumed.tier, step=resumed.step, source=resumed.source, steps_redone=redone,
                                world_size=world_size)  # fmt: skip
     return replace(resumed, steps_redone=redone)
+
+
+def record_lost_history(metrics: Metrics, failures: FailureReport, *, is_main: bool, world_size: int) -> int | None:
+    """A start that resumes nothing although an earlier attempt of the run trained (its progress
+    record says to which step): say so loudly -- an error line and a TensorBoard event on rank 0, a
+    resume record with the steps redone -- instead of starting over in silence. The steps redone,
+    or None when nothing was lost (a new run, or one never logged a step)."""
+    previous = metrics.previous_step()
+    if not previous:
+        return None
+    text = (
+        f"Nothing to resume, though an earlier attempt of this run trained to step {previous} at least (the last "
+        f"step its progress record logged): no checkpoint of those steps was committed in either tier, or none "
+        f"can be read. Training "
+        f"starts again at step 1: {previous} step(s) redone. An earlier attempt's log says why its checkpoints "
+        f"were lost (a stop past checkpoint.grace_s, failed saves, a deleted checkpoint directory)."
+    )
+    log.error("%s", text)
+    metrics.event(text)
+    if is_main:
+        failures.record_resume(tier="none", step=0, source="", steps_redone=previous, world_size=world_size)
+    return previous

@@ -73,7 +73,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from elastic_ddp.faults import at_step
 from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
-from elastic_ddp.checkpoint.manifest import identity_digest
+from elastic_ddp.checkpoint.compiled import CompiledArtifacts
+from elastic_ddp.checkpoint.manifest import identity_digest, signing_key
 from elastic_ddp.config import Config, ConfigError, load_config
 from elastic_ddp.ddp_buckets import stabilize_buckets
 from elastic_ddp.data import (
@@ -91,8 +92,8 @@ from elastic_ddp.logs import configure_logging
 from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier
 from elastic_ddp.metrics import Metrics, create_metrics
 from elastic_ddp.prestart.environment import settle as settle_environment
-from elastic_ddp.resume import Resumed, init_from, record_resume, resume
-from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful
+from elastic_ddp.resume import Resumed, init_from, record_lost_history, record_resume, resume
+from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful, is_compiled
 from elastic_ddp.step_guard import StepGuard
 from elastic_ddp.step_metrics import StepMetrics, timed
 from elastic_ddp.stop import (
@@ -280,6 +281,7 @@ class _Session:
     metrics: Metrics
     resumed: Resumed
     guard: StepGuard | None  # with the memory tier: what a failed step changed (see Run._keep_failed_step)
+    compiled: CompiledArtifacts | None  # a compiled model's artifacts, for nodes that join (None: eager)
     memory_off: str | None = None  # why the memory tier stopped during the loop (reported once)
 
 
@@ -387,6 +389,7 @@ class Run:
             self.cfg.checkpoint, identity=self.cfg.identity(), rdzv_round=self._ctx.rdzv_round, check_storage=False
         )
         checkpoints.check_shared_storage()
+        compiled = self._compiled_artifacts(model, checkpoints)
         memory = self._memory_tier(checkpoints.url)
         fresh_optimizer = not optimizer.state
         resumed = resume(self.cfg, checkpoints, memory, objects, rank=self.rank)
@@ -420,11 +423,30 @@ class Run:
         self._events.clear()
         if resumed.tier is not None:
             resumed = record_resume(resumed, metrics, self.failures, is_main=self.is_main, world_size=self.world_size)
+        elif self.cfg.checkpoint.resume == "auto":
+            record_lost_history(metrics, self.failures, is_main=self.is_main, world_size=self.world_size)
         guard = None
         if memory is not None:
             guard = StepGuard(model, {name: obj for name, obj in objects.items() if name not in (MODEL, OPTIMIZER, DATA)})
-        self._session = _Session(ddp, optimizer, objects, checkpoints, memory, metrics, resumed, guard)
+        self._session = _Session(ddp, optimizer, objects, checkpoints, memory, metrics, resumed, guard, compiled)
         return ddp
+
+    def _compiled_artifacts(self, model: torch.nn.Module, checkpoints: CheckpointManager) -> CompiledArtifacts | None:
+        """For a compiled model: what the job's nodes compiled, loaded into this node's caches before
+        any rank compiles (checkpoint/compiled.py); None for an eager one."""
+        if not is_compiled(model):
+            return None
+        artifacts = CompiledArtifacts(
+            checkpoints.storage, share=self.cfg.checkpoint.share_compiled, key=signing_key(), device=self.device,
+            rank=self.rank,
+        )  # fmt: skip
+        loaded = artifacts.load()
+        if loaded:
+            log.info("[%d/%d] %s", self.rank, self.step, loaded)
+        elif artifacts.why_off and self.is_main:
+            log.info("[%d/%d] torch.compile's artifacts are not shared between nodes (%s): a node that joins compiles "
+                     "from scratch.", self.rank, self.step, artifacts.why_off)  # fmt: skip
+        return artifacts
 
     def _register(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful | None,
@@ -513,6 +535,7 @@ class Run:
             metrics, step=self.step, checkpoints=session.checkpoints, memory=memory, optimizer=session.optimizer,
             global_batch_size=train.global_batch_size, steps_redone=session.resumed.steps_redone,
         )  # fmt: skip
+        first_step = self.step + 1
         try:
             for batch in timed(batches, collector.timing, self._seed_step):
                 at_step(batch.step, self.rank)  # fault-injection tests only; one dict lookup otherwise
@@ -533,6 +556,11 @@ class Run:
                 if data.ledger or metrics.should_log(self.step):
                     loss = self._global_loss(step)
                 ledger.finished(self.step, loss if loss is not None else float("nan"))
+                if session.compiled is not None and self.step == first_step:
+                    # Once an attempt's first step compiled (or loaded) the model: for nodes that join.
+                    published = session.compiled.publish()
+                    if published:
+                        log.info("[%d/%d] %s", self.rank, self.step, published)
                 if memory is not None:
                     # After the ledger line: a state in node memory is a step this rank has on record.
                     memory.after_step(self.step, session.state, agreement.agreed)

@@ -44,7 +44,7 @@ try:  # the steps of get_model_state_dict / get_optimizer_state_dict, to check t
 except ImportError:  # another torch: the public functions, which check them every call
     _verify_options = None
 
-__all__ = ["ModelState", "OptimizerState", "Stateful", "as_stateful", "check_stateful", "synced_paths", "unwrap_model"]
+__all__ = ["ModelState", "OptimizerState", "Stateful", "as_stateful", "check_stateful", "is_compiled", "synced_paths", "unwrap_model"]
 
 # Names a user may not give to state: the checkpoint format keeps per-rank state under this prefix.
 RESERVED_PREFIX = "_rank_"
@@ -110,13 +110,14 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while True:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
-        elif _is_compiled(model):
+        elif is_compiled(model):
             model = model._orig_mod
         else:
             return model
 
 
-def _is_compiled(model: torch.nn.Module) -> bool:
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a ``torch.compile`` wrapper (an ``OptimizedModule``)."""
     # Only torch.compile creates an OptimizedModule, and it imports torch._dynamo first: while that is
     # not imported, no module is one -- and importing it here would cost every worker a second.
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")

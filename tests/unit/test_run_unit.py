@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -402,3 +403,23 @@ def test_a_bad_setting_exits_2_before_anything_starts(script, tmp_path):
     assert "train.max_steps: Input should be greater than 0 (got 0)" in result.stderr
     assert "START" not in result.stdout
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_start_that_finds_no_checkpoint_of_a_run_that_trained_says_how_many_steps_are_lost(script, tmp_path):
+    # The attempt trains to step 4; its checkpoint is lost (here: removed), as when a preempted run's
+    # stop outlived checkpoint.grace_s with no earlier save committed.
+    flags = ("--train.max_steps=6", "--checkpoint.every_steps=0", "--checkpoint.memory_overhead=0",
+             "--logging.every_steps=1")  # fmt: skip
+    first = script("lost", *flags, "--train.exit_at_step=4")
+    assert first.returncode == 0, first.stderr
+    shutil.rmtree(tmp_path / "lost" / "ckpt")
+    again = script("lost", *flags)
+    assert again.returncode == 0, again.stderr
+    assert "START 0 False None" in again.stdout
+    assert "an earlier attempt of this run trained to step 4" in again.stderr
+    assert "4 step(s) redone" in again.stderr
+    records = [json.loads(line) for line in (tmp_path / "lost" / "tiny" / "failures.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["tier"], r["steps_redone"]) for r in records] == [("resume", "none", 4)], records
+    # A new run says nothing of the kind.
+    fresh = script("new", *flags)
+    assert fresh.returncode == 0 and "earlier attempt" not in fresh.stderr, fresh.stderr
