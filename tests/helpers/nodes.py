@@ -90,7 +90,8 @@ def worker_pids(agent: int) -> list[int]:
     tree = descendants(agent)
     templates = {p for p in tree if b"prestart/template.py" in cmdline(p) and comm(p) == "edp-template"}
     if templates:
-        return [p for p in tree if parent_pid(p) in templates and p not in templates]
+        # A fork becomes a worker as ``edp-rank<N>``; the successor's probe subprocesses are not workers.
+        return [p for p in tree if parent_pid(p) in templates and comm(p).startswith("edp-rank")]
     return [p for p in tree if parent_pid(p) == agent]
 
 

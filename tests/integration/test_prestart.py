@@ -26,14 +26,16 @@ from elastic_ddp.stop import ENV_AGENT_PID
 from tests.helpers.job import Job
 from tests.helpers.nodes import cmdline, descendants, parent_pid, wait_for, worker_pids
 
-# A worker that reports what it was forked with; "warm": every module the successor preloads is in.
+# A worker that reports what it was forked with; "warm": every module the successor preloads is in, and
+# inductor's probes (the successor's one call besides its imports) answered before the fork.
 WORKER = f"PRELOAD_REST = {PRELOAD_REST!r}\n" + textwrap.dedent("""
     import json, os, signal, sys
     if "wait-for-sigterm" in sys.argv:
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))  # before the report the test waits for
     report = {
         "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv, "cwd": os.getcwd(), "name": __name__,
-        "rank": os.environ.get("RANK"), "torch": "torch" in sys.modules, "warm": all(name in sys.modules for name in PRELOAD_REST),
+        "rank": os.environ.get("RANK"), "torch": "torch" in sys.modules, "warm": all(name.partition(":")[0] in sys.modules for name in PRELOAD_REST)
+                 and sys.modules["torch._inductor.cpu_vec_isa"].valid_vec_isa_list.cache_info().currsize > 0,
         "path0": sys.path[0],
         "stdin": sys.stdin.readline().strip(),
     }
