@@ -1,7 +1,10 @@
 """The agent's directory: where its workers reach it (a settings error, the marks of why they are
 stopped, the socket on which they say the node leaves, the template's socket).
 
-One per torchrun agent, in the temp directory; the handler removes its own when it leaves. An agent
+One per torchrun agent, in the temp directory -- or in /tmp where the temp directory's path is too
+long for the sockets in it (a Unix socket's path holds at most 107 bytes: a Slurm job's or a test
+harness's deep TMPDIR would fail the template's bind and lose warm starts); the handler removes its
+own when it leaves. An agent
 killed outright (SIGKILL, the OOM killer, a node's processes killed by hand) cannot, and on a host
 that outlives it (bare metal, a Slurm node) its directory would stay for good: so each new one
 removes those of agents that are gone first, told apart by the owner mark each directory holds:
@@ -20,12 +23,27 @@ import tempfile
 
 from elastic_ddp.processes import marks_a_live_process, process_mark
 
-__all__ = ["PREFIX", "create_agent_dir", "remove_dirs_of_gone_agents"]
+__all__ = ["PREFIX", "agent_dir_parents", "create_agent_dir", "remove_dirs_of_gone_agents"]
 
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_ddp-agent-"
 _OWNER_FILE = "owner"
+# The longest path of a socket in an agent directory: <parent>/<PREFIX><8 random characters>/ and the
+# template's staging name, prestart.sock.<pid> (Linux pids have at most 7 digits); AF_UNIX's
+# sun_path holds 107 bytes and a NUL.
+_LONGEST_SOCKET = len(f"/{PREFIX}xxxxxxxx/prestart.sock.4194304")
+_MAX_SOCKET_PATH = 107
+_SHORT_PARENT = "/tmp"
+
+
+def agent_dir_parents() -> list[str]:
+    """Where agent directories go, first choice first: the temp directory, and /tmp when the temp
+    directory's path leaves no room for the sockets (see the module docstring)."""
+    parent = tempfile.gettempdir()
+    if len(parent) + _LONGEST_SOCKET <= _MAX_SOCKET_PATH or os.path.realpath(parent) == _SHORT_PARENT:
+        return [parent]
+    return [_SHORT_PARENT, parent]
 
 
 def create_agent_dir() -> str:
@@ -34,8 +52,13 @@ def create_agent_dir() -> str:
     Raises:
         OSError: the directory could not be created or marked (none is left behind).
     """
-    remove_dirs_of_gone_agents()
-    path = tempfile.mkdtemp(prefix=PREFIX)
+    parents = agent_dir_parents()
+    for parent in parents:
+        remove_dirs_of_gone_agents(parent)
+    if len(parents) > 1:
+        log.info("The temp directory %s is too long a path for the agent's sockets; its directory goes in %s.",
+                 parents[1], parents[0])  # fmt: skip
+    path = tempfile.mkdtemp(prefix=PREFIX, dir=parents[0])
     mark = process_mark(os.getpid())
     try:
         if mark is None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -349,23 +351,27 @@ def test_agents_started_seconds_apart_form_one_round(etcd_endpoint, etcd_client,
 @pytest.mark.slow
 def test_the_directory_of_a_killed_agent_is_removed_when_the_next_agent_starts(etcd_endpoint, tmp_path):
     # An agent killed outright cannot remove its directory; on a host that outlives it, the next
-    # agent's start does.
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    # agent's start does. (A temp directory of the test's own with a short path: under a long one the
+    # agent's directory goes in /tmp, see elastic_ddp/rendezvous/agent_dir.py.)
+    temp = Path(tempfile.mkdtemp(prefix="edp-", dir="/tmp"))
     env = {**_env(), "TMPDIR": str(temp)}
-    waiting = start_node(_torchrun("etcd", etcd_endpoint, f"killed-{uuid.uuid4().hex[:8]}"), env, tmp_path / "killed.log")
     try:
-        left = wait_for(lambda: [p for p in temp.glob("elastic_ddp-agent-*") if (p / "owner").exists()], 60,
-                        what="the agent's directory")  # fmt: skip
-        waiting.kill()
+        waiting = start_node(_torchrun("etcd", etcd_endpoint, f"killed-{uuid.uuid4().hex[:8]}"), env,
+                             tmp_path / "killed.log")  # fmt: skip
+        try:
+            left = wait_for(lambda: [p for p in temp.glob("elastic_ddp-agent-*") if (p / "owner").exists()], 60,
+                            what="the agent's directory")  # fmt: skip
+            waiting.kill()
+        finally:
+            waiting.cleanup()
+        assert all(path.exists() for path in left), "the killed agent removed its directory"
+        with start_node(_torchrun("etcd", etcd_endpoint, f"next-{uuid.uuid4().hex[:8]}", nnodes="1"), env,
+                        tmp_path / "next.log") as following:  # fmt: skip
+            assert following.wait(timeout=120) == 0, following.output()
+        assert not any(path.exists() for path in left), following.output()
+        assert list(temp.glob("elastic_ddp-agent-*")) == [], "the agent that ended left its directory"
     finally:
-        waiting.cleanup()
-    assert all(path.exists() for path in left), "the killed agent removed its directory"
-    with start_node(_torchrun("etcd", etcd_endpoint, f"next-{uuid.uuid4().hex[:8]}", nnodes="1"), env,
-                    tmp_path / "next.log") as following:  # fmt: skip
-        assert following.wait(timeout=120) == 0, following.output()
-    assert not any(path.exists() for path in left), following.output()
-    assert list(temp.glob("elastic_ddp-agent-*")) == [], "the agent that ended left its directory"
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -15,10 +17,13 @@ from elastic_ddp.rendezvous.agent_dir import PREFIX, create_agent_dir, remove_di
 
 
 @pytest.fixture
-def temp(tmp_path, monkeypatch):
-    """The temp directory the agent directories go to, empty and this test's own."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
+def temp(monkeypatch):
+    """The temp directory the agent directories go to, empty and this test's own (a short path, as a
+    temp directory must be for the sockets in them: pytest's own are often too long)."""
+    path = Path(tempfile.mkdtemp(prefix="edp-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _agent_dir(parent, name: str, mark: str | None):
@@ -95,3 +100,27 @@ def test_creating_a_directory_first_removes_those_of_agents_that_are_gone(temp):
 
 def test_an_unreadable_temp_directory_removes_nothing(tmp_path):
     assert remove_dirs_of_gone_agents(str(tmp_path / "missing")) == 0
+
+
+def test_a_temp_directory_too_long_for_a_socket_path_puts_the_agent_directory_in_tmp(tmp_path, monkeypatch):
+    # A deep TMPDIR (a Slurm job's, a test harness's) made the template's bind fail ("AF_UNIX path too
+    # long") and every worker start cold, with nothing but a traceback in the agent's log.
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    path = create_agent_dir()
+    try:
+        assert os.path.dirname(path) == "/tmp" and os.path.basename(path).startswith(PREFIX)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(os.path.join(path, "prestart.sock.4194304"))  # the template's staging name
+        finally:
+            listener.close()
+    finally:
+        shutil.rmtree(path)
+    short = Path(tempfile.mkdtemp(prefix="edp-", dir="/tmp"))
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(short))  # short enough: the temp directory itself
+        assert os.path.dirname(create_agent_dir()) == str(short)
+    finally:
+        shutil.rmtree(short)
