@@ -25,12 +25,25 @@ first step.
 Then (``ours`` only) a third node joins the survivor: seconds from its start to the first step at
 world size 2, the all-rank stall (the last step at world size 1 to the first at 2) and the steps
 the join lost. Each node of ``ours`` has a memory directory of its own, as machines would.
+
+``compiled`` is ``ours`` with ``--train.compile=true``, alternated with it, as a compiled job is
+deployed: each node has an inductor cache directory of its own (``TORCHINDUCTOR_CACHE_DIR``,
+node-local and outliving the workers, as torch's default under /tmp is), new for each repeat, so the
+first start compiles cold and the survivor's restart compiles from its node's cache;
+``--train.micro_batch_size=4`` keeps a rank's batches at 4 samples at world size 1 and 2 (a new shape
+would be a new graph: compiled anew); the checkpoints are signed (``ELASTIC_DDP_CHECKPOINT_KEY``), so
+the joining node (a new machine) loads the compile artifacts rank 0 published
+(elastic_ddp/checkpoint/compiled.py) -- on CPUs inductor's C++ kernels are not among them and still
+compile there.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -42,6 +55,8 @@ from benchmarks.common import (
 )  # fmt: skip
 from benchmarks.loops import PLAIN_LOOP, TINY, recipe_flags
 from elastic_ddp.etcd_server import EtcdServer, free_port
+from elastic_ddp.prestart import WARM_SUFFIX
+from elastic_ddp.rendezvous.agent_dir import PREFIX as AGENT_DIR_PREFIX
 
 NAME = "recovery"
 TITLE = "Recovery after a node kill: per-node etcd rendezvous vs the blob handler vs stock torchrun c10d"
@@ -107,11 +122,13 @@ def phases(lines: list[tuple[float, str]], killed_at: float) -> dict[str, float]
 
 def kill_and_recover(
     cmd: list[str], log_dir: Path, warm: int, store_port: int | None = None, join: bool = False,
-    machine: Callable[[int], list[str]] = lambda node: [],
+    machine: Callable[[int], list[str]] = lambda node: [], machine_env: Callable[[int], dict[str, str]] = lambda node: {},
 ) -> dict[str, float]:
-    """``machine(i)``: the script's settings of node ``i`` only (its own memory directory: a machine of its own)."""
-    env = child_env()
-    nodes = [TimedProcess([*cmd, *machine(0)], env, log_dir / "node0.log")]
+    """``machine(i)``: the script's settings of node ``i`` only (its own memory directory: a machine of
+    its own); ``machine_env(i)``: its environment's own variables (its own inductor cache; a ``TMPDIR``
+    of its own, where the kill then also waits for the node's warm template: a restart in the
+    steady state, not in a job's first seconds)."""
+    nodes = [TimedProcess([*cmd, *machine(0)], child_env(**machine_env(0)), log_dir / "node0.log")]
     try:
         if store_port is not None:
             deadline = time.monotonic() + 60
@@ -119,16 +136,20 @@ def kill_and_recover(
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"The first agent did not open the c10d store port {store_port}.")
                 time.sleep(0.1)
-        nodes.append(TimedProcess([*cmd, *machine(1)], env, log_dir / "node1.log"))
+        nodes.append(TimedProcess([*cmd, *machine(1)], child_env(**machine_env(1)), log_dir / "node1.log"))
         survivor, victim = nodes
 
         def warmed(line: str):
             step = _step_at_world(line, 2)
             return step is not None and step >= warm
 
+        def templates_warm() -> bool:
+            dirs = [machine_env(i).get("TMPDIR") for i in range(len(nodes))]
+            return all(d is None or any(Path(d).glob(f"{AGENT_DIR_PREFIX}*/*{WARM_SUFFIX}")) for d in dirs)
+
         # Rank 0 prints; it may live on either node.
         deadline = time.monotonic() + 240
-        while not any(any(warmed(l) for _, l in n.lines()) for n in nodes):
+        while not (any(any(warmed(l) for _, l in n.lines()) for n in nodes) and templates_warm()):
             if time.monotonic() > deadline or not all(n.running for n in nodes):
                 raise RuntimeError(f"No step {warm} at world size 2.\n{survivor.output()[-3000:]}")
             time.sleep(0.1)
@@ -141,11 +162,27 @@ def kill_and_recover(
                     "last_step_before_kill": max(before), "first_step_after": first,
                     **phases(survivor.lines(), killed_at)}
         if join:
-            measured.update(join_and_resume([*cmd, *machine(2)], env, log_dir, survivor, nodes, first))
+            measured.update(join_and_resume([*cmd, *machine(2)], child_env(**machine_env(2)), log_dir, survivor, nodes, first))
         return measured
     finally:
         for node in nodes:
             node.cleanup()
+        for i in range(len(nodes)):
+            temp = machine_env(i).get("TMPDIR")
+            if temp:
+                shutil.rmtree(temp, ignore_errors=True)
+
+
+def _machine_tmp(root: Path, node: int, backend: str) -> dict[str, str]:
+    """A ``TMPDIR`` of the node's own under this package's rendezvous (whose agent starts a template
+    there); none for the others. A short path beside the scratch directory's, named after it (a deep
+    one would put the agent's directory in /tmp: elastic_ddp/rendezvous/agent_dir.py)."""
+    if backend != "etcd":
+        return {}
+    link = root / f"tmp-node{node}"
+    if not link.exists():
+        link.symlink_to(tempfile.mkdtemp(prefix="edp-bench-", dir="/tmp"))
+    return {"TMPDIR": os.path.realpath(link)}
 
 
 def join_and_resume(cmd: list[str], env: dict[str, str], log_dir: Path, survivor: TimedProcess,
@@ -191,15 +228,17 @@ def run(ctx: Context) -> Result:
     )
     with EtcdServer(ctx.scratch(f"{NAME}/etcd")) as etcd:
 
-        def recipe(backend: str, tag: str):
+        def recipe(backend: str, tag: str, *extra: str, env: dict[str, str] | None = None):
             def once(i: int) -> dict[str, float]:
                 root = ctx.scratch(f"{NAME}/{tag}{i}")
                 run_id = f"recovery-{uuid.uuid4().hex[:8]}"
                 args = [*recipe_flags(TINY, root, MAX_STEPS, 1, CKPT_EVERY), "--checkpoint.resume=auto",
-                        f"--run.name={run_id}"]  # fmt: skip
+                        f"--run.name={run_id}", *extra]  # fmt: skip
                 return kill_and_recover(_agent(backend, etcd.endpoint, run_id, RECIPE, args), root, warm,
                                         join=backend == "etcd",
-                                        machine=lambda node: [f"--checkpoint.memory_dir={root}/shm-node{node}"])
+                                        machine=lambda node: [f"--checkpoint.memory_dir={root}/shm-node{node}"],
+                                        machine_env=lambda node: {"TORCHINDUCTOR_CACHE_DIR": f"{root}/inductor-node{node}",
+                                                                  **_machine_tmp(root, node, backend), **(env or {})})  # fmt: skip
 
             return once
 
@@ -211,7 +250,13 @@ def run(ctx: Context) -> Result:
             cmd = _agent("c10d", f"127.0.0.1:{port}", f"stock-{uuid.uuid4().hex[:8]}", PLAIN_LOOP, args)
             return kill_and_recover(cmd, root, warm, store_port=port)
 
-        variants = {"ours": recipe("etcd", "ours"), **({"blob": recipe("etcd-blob", "blob"), "stock": stock} if with_stock else {})}
+        variants = {
+            "ours": recipe("etcd", "ours"),
+            **({"compiled": recipe("etcd", "compiled", "--train.compile=true", "--train.micro_batch_size=4",
+                                   env={"ELASTIC_DDP_CHECKPOINT_KEY": "benchmark-key"}),
+                "blob": recipe("etcd-blob", "blob"),
+                "stock": stock} if with_stock else {}),
+        }  # fmt: skip
         samples = alternate(variants, min(ctx.repeats, 2))
     result.samples = samples
     result.rows = [
@@ -224,6 +269,17 @@ def run(ctx: Context) -> Result:
         row("ours: a node joins: resumed from node memory", samples["ours"]["join_from_memory"], "1 = yes"),
     ]
     if with_stock:
+        compiled = samples["compiled"]
+        result.rows += [
+            row("compiled: kill to first step on the survivor", compiled["recovery_s"], "s"),
+            *(row(f"compiled: {name}", compiled[name], "s") for name in compiled if name.startswith("phase: ")),
+            row("compiled / ours: kill to first step", ratios(compiled["recovery_s"], samples["ours"]["recovery_s"]),
+                "ratio", Target("<=", 3.0, "≤ 3×")),
+            row("compiled: steps lost", compiled["steps_lost"], "steps", Target("<=", 1)),
+            row("compiled: a node joins (loads the artifacts; C++ kernels compile): its start to the first step at the new size",
+                compiled["join_s"], "s"),
+            row("compiled: a node joins: all-rank stall", compiled["join_stall_s"], "s"),
+        ]  # fmt: skip
         speedup = ratios(samples["stock"]["recovery_s"], samples["ours"]["recovery_s"])
         result.rows += [
             row("blob handler: kill to first step on the survivor", samples["blob"]["recovery_s"], "s"),
