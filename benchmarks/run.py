@@ -41,6 +41,7 @@ COMPARISONS = {
     "divergence": "benchmarks.bench_divergence",
     "resume": "benchmarks.bench_resume",
     "sampler": "benchmarks.bench_sampler",
+    "shards": "benchmarks.bench_shards",
     "training": "benchmarks.bench_training",
     "metrics": "benchmarks.bench_metrics",
     "recovery": "benchmarks.bench_recovery",

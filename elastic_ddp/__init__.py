@@ -35,6 +35,8 @@ __all__ = [
     "RunError",
     "SampleDropout",
     "Section",
+    "ShardError",
+    "Shards",
     "Step",
     "TrainConfig",
     "derive_seed",
@@ -59,6 +61,8 @@ _LAZY = {
     "load_config": "elastic_ddp.config",
     "SampleDropout": "elastic_ddp.nn",
     "derive_seed": "elastic_ddp.data.seeds",
+    "Shards": "elastic_ddp.data.shards",
+    "ShardError": "elastic_ddp.data.shard_formats",
 }
 
 

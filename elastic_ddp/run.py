@@ -78,7 +78,7 @@ from elastic_ddp.checkpoint.manifest import identity_digest, signing_key
 from elastic_ddp.config import Config, ConfigError, load_config
 from elastic_ddp.ddp_buckets import stabilize_buckets
 from elastic_ddp.data import (
-    ORDER_VERSION, DataCursor, ElasticSampler, MicroBatch, StepBatch, StepBatches, StepLedger, check_dataset,
+    ORDER_VERSION, DataCursor, ElasticSampler, MicroBatch, Shards, StepBatch, StepBatches, StepLedger, check_dataset,
     check_same_dataset, dataset_fingerprint, derive_seed, to_device,
 )  # fmt: skip
 from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo_group, shutdown_distributed
@@ -145,26 +145,28 @@ class DataState:
         self.cursor = DataCursor()
         self.num_samples = 0
         self.fingerprint = ""
+        self.order = ORDER_VERSION
         self._saved: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **self.cursor.state_dict(), "num_samples": self.num_samples, "fingerprint": self.fingerprint,
-            "order": ORDER_VERSION,
+            "order": self.order,
         }  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.cursor = DataCursor.from_state_dict(state)
         self._saved = dict(state)
 
-    def bind(self, num_samples: int, fingerprint: str, where: str) -> None:
-        """Attach the position to a dataset of ``num_samples`` (and ``fingerprint``); raise RunError if a
-        resumed position belongs to another dataset. ``where`` names the checkpoint for the message."""
+    def bind(self, num_samples: int, fingerprint: str, where: str, order: str = ORDER_VERSION) -> None:
+        """Attach the position to a dataset of ``num_samples`` (and ``fingerprint``) in the order named
+        ``order``; raise RunError if a resumed position belongs to another dataset or order. ``where``
+        names the checkpoint for the message."""
         saved = self._saved
         if saved is not None:
             problems = []
-            if saved.get("order") != ORDER_VERSION:
-                problems.append(f"its data order is {saved.get('order')!r}, this version uses {ORDER_VERSION!r}")
+            if saved.get("order") != order:
+                problems.append(f"its data order is {saved.get('order')!r}, this version uses {order!r}")
             if saved.get("num_samples") != num_samples:
                 problems.append(f"it was written for a dataset of {saved.get('num_samples')} samples, this one has {num_samples}")
             if saved.get("fingerprint", "") != fingerprint:
@@ -177,6 +179,7 @@ class DataState:
                 )
         self.num_samples = num_samples
         self.fingerprint = fingerprint
+        self.order = order
 
 
 class Step:
@@ -488,7 +491,8 @@ class Run:
     def steps(
         self, dataset: Any, *, collate_fn: Callable[[list[Any]], Any] | None = None, fingerprint: str = ""
     ) -> Iterator[Step]:
-        """The training loop's steps over ``dataset`` (a map-style dataset: ``__len__``, ``__getitem__``).
+        """The training loop's steps over ``dataset`` (a map-style dataset: ``__len__``, ``__getitem__``;
+        or a sharded source, :class:`~elastic_ddp.data.Shards`, in its own order of shards and windows).
 
         Each step holds this rank's share of the next ``train.global_batch_size`` samples, split into
         micro-batches of at most ``train.micro_batch_size`` and batched by ``collate_fn`` (default
@@ -505,9 +509,13 @@ class Run:
             raise RunError("run.steps() can run once per worker; the run's end is the process's end.")
         self._in_step = 0
         where = self._session.resumed.source or "(none)"
+        order = ORDER_VERSION
+        if isinstance(dataset, Shards):
+            dataset.prepare(self._control)  # the shard index: read or built by rank 0, once
+            order = dataset.order_version
         num_samples, fingerprint = check_dataset(dataset), dataset_fingerprint(dataset, fingerprint)
         check_same_dataset(num_samples, fingerprint, self._control)
-        self._data.bind(num_samples, fingerprint, where)
+        self._data.bind(num_samples, fingerprint, where, order)
         return self._loop(dataset, collate_fn)
 
     def _loop(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> Iterator[Step]:
@@ -515,7 +523,10 @@ class Run:
         self._stop_signal.steps_started()
         session, train, data = self._session, self.cfg.train, self.cfg.data
         end = loop_end(self.step, train.max_steps, train.exit_at_step)
-        sampler = ElasticSampler(self._data.num_samples, train.global_batch_size, train.seed)
+        if isinstance(dataset, Shards):  # a sharded source orders its records by shards and windows
+            sampler = dataset.order(train.global_batch_size, train.seed)
+        else:
+            sampler = ElasticSampler(self._data.num_samples, train.global_batch_size, train.seed)
         batches = StepBatches(
             dataset, sampler, self._data.cursor, rank=self.rank, world_size=self.world_size,
             num_steps=max(end - self.step, 0), start_step=self.step, micro_batch_size=train.micro_batch_size,

@@ -1,4 +1,5 @@
-"""The data pipeline: world-size-independent sample order, per-rank step batches, the step ledger.
+"""The data pipeline: world-size-independent sample order, per-rank step batches, the step ledger,
+sharded sources (``Shards``).
 
 See docs/data.md for the guarantees (no sample repeated or skipped across restarts and world-size
 changes) and for what they require of a dataset.
@@ -11,6 +12,9 @@ from elastic_ddp.data.loader import (
 )  # fmt: skip
 from elastic_ddp.data.sampler import ORDER_VERSION, DataCursor, ElasticSampler, micro_batches, rank_bounds, rank_slice
 from elastic_ddp.data.seeds import derive_seed, sample_seeds
+from elastic_ddp.data.shard_formats import ShardError
+from elastic_ddp.data.shard_order import ShardOrder
+from elastic_ddp.data.shards import Shards
 
 __all__ = [
     "ORDER_VERSION",
@@ -20,6 +24,9 @@ __all__ = [
     "MicroBatch",
     "StepBatch",
     "StepBatches",
+    "ShardError",
+    "ShardOrder",
+    "Shards",
     "StepLedger",
     "check_dataset",
     "check_same_dataset",

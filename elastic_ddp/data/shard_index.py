@@ -1,0 +1,155 @@
+"""The shard index: which shards a sharded source holds, how many records each, and which version of each.
+
+Built once per list of shards (a pass over every shard but Parquet's, whose footers count their
+rows) and stored as JSON -- at a URL the user names, or in a node-local cache keyed by the list --
+so a resume reads one small file instead of rescanning the data. Each entry keeps the shard's size
+and version (its ETag on an object store, its modification time on a file system): a shard that
+changed since the index was built is refused when it is opened (:func:`check_unchanged`), since its
+records would no longer be the ones the data order and the checkpoints count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic_ddp.checkpoint.storage import Storage
+from elastic_ddp.data.shard_formats import ShardError, count_records
+
+__all__ = [
+    "INDEX_VERSION", "ShardEntry", "ShardIndex", "check_unchanged", "default_index_url", "expand_urls", "load_or_build",
+    "version_of",
+]  # fmt: skip
+
+INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard: its URL, its size in bytes, its version, its records (and Parquet's row groups)."""
+
+    url: str
+    size: int
+    version: str
+    records: int
+    row_groups: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """Every shard of a source, in the order the user listed them (globs sorted)."""
+
+    format: str
+    entries: tuple[ShardEntry, ...]
+
+    @property
+    def records(self) -> int:
+        return sum(entry.records for entry in self.entries)
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the format and of every shard's URL, size, version and record count."""
+        return hashlib.blake2b(self.to_json().encode(), digest_size=16).hexdigest()
+
+    def to_json(self) -> str:
+        entries = [{**asdict(e), "row_groups": list(e.row_groups)} for e in self.entries]
+        return json.dumps({"version": INDEX_VERSION, "format": self.format, "entries": entries}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> ShardIndex:
+        try:
+            raw = json.loads(text)
+            if raw.get("version") != INDEX_VERSION:
+                raise ValueError(f"index version {raw.get('version')!r}, expected {INDEX_VERSION}")
+            entries = tuple(ShardEntry(**{**e, "row_groups": tuple(e["row_groups"])}) for e in raw["entries"])
+            return cls(raw["format"], entries)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"The shard index {where} is not a shard index of this version: {exc}") from None
+
+
+def expand_urls(urls: str | list[str], storage_options: dict[str, Any] | None = None) -> tuple[Any, list[str]]:
+    """``(filesystem, URLs)``: every URL or glob expanded (a glob's matches sorted), in the order given.
+
+    All URLs must be on one filesystem (one protocol). A glob that matches nothing, a URL that does
+    not exist and a shard listed twice are errors naming it.
+    """
+    import fsspec
+
+    given = [urls] if isinstance(urls, str) else list(urls)
+    if not given:
+        raise ValueError("Shards(urls=...) needs at least one URL or glob.")
+    fs, _ = fsspec.core.url_to_fs(given[0], **(storage_options or {}))
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    found: list[str] = []
+    for url in given:
+        if fsspec.core.url_to_fs(url, **(storage_options or {}))[0].protocol != fs.protocol:
+            raise ValueError(f"Shard URL {url!r} is on another filesystem than {given[0]!r}; all shards must share one.")
+        path = fs._strip_protocol(url)
+        matches = sorted(fs.glob(path)) if fsspec.core.has_magic(path) else ([path] if fs.exists(path) else [])
+        if not matches:
+            raise ValueError(f"Shard URL {url!r} matches no file.")
+        found += matches
+    shown = [p if protocol in ("file", "local") else f"{protocol}://{p}" for p in found]
+    duplicates = sorted({u for u in shown if shown.count(u) > 1})
+    if duplicates:
+        raise ValueError(f"Shards listed more than once: {duplicates[:5]}; each shard may be listed once.")
+    return fs, shown
+
+
+def version_of(info: dict[str, Any]) -> str:
+    """A shard's version from fsspec's ``info()``: the ETag where the store has one, else the mtime."""
+    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+        if info.get(key) is not None:
+            return str(info[key]).strip('"')
+    return ""
+
+
+def check_unchanged(entry: ShardEntry, info: dict[str, Any]) -> None:
+    """``ShardError`` unless the shard's size and version are still those of its index entry."""
+    size, version = int(info.get("size") or 0), version_of(info)
+    if (size, version) != (entry.size, entry.version):
+        raise ShardError(
+            f"Shard {entry.url} changed since the shard index was built: size {entry.size}, version "
+            f"{entry.version!r} then; size {size}, version {version!r} now. Its records would not be the ones the "
+            "data order and the checkpoints count. Restore the shard, or start a new run over the new data."
+        )
+
+
+def _build(fs: Any, urls: list[str], fmt: str) -> ShardIndex:
+    entries = []
+    for url in urls:
+        path = fs._strip_protocol(url)
+        info = fs.info(path)
+        records, groups = count_records(fs, path, fmt, url=url)
+        entries.append(ShardEntry(url, int(info.get("size") or 0), version_of(info), records, tuple(groups)))
+    return ShardIndex(fmt, tuple(entries))
+
+
+def default_index_url(urls: list[str], fmt: str) -> str:
+    """The node-local cache file of the index of this list of shards."""
+    key = hashlib.blake2b(json.dumps([fmt, urls]).encode(), digest_size=12).hexdigest()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "elastic_ddp" / "shard-index" / f"{key}.json")
+
+
+def load_or_build(fs: Any, urls: list[str], fmt: str, index_url: str | None = None) -> ShardIndex:
+    """The index of ``urls``: read from ``index_url`` (default: :func:`default_index_url`) when it
+    holds the index of exactly these shards in this format, else built and written there.
+
+    A stored index is trusted for the record counts; each shard's size and version are checked
+    against it when the shard is opened for reading (:func:`check_unchanged`)."""
+    where = index_url or default_index_url(urls, fmt)
+    storage = Storage(where)
+    if storage.exists(where):
+        index = ShardIndex.from_json(storage.read_bytes(where).decode(), where)
+        if index.format == fmt and [e.url for e in index.entries] == urls:
+            return index
+    index = _build(fs, urls, fmt)
+    if storage.is_local:
+        os.makedirs(os.path.dirname(storage.fs._strip_protocol(where)), exist_ok=True)
+    storage.write_bytes_atomic(where, index.to_json().encode())
+    return index

@@ -1,0 +1,256 @@
+"""``Shards``: a sharded source (JSONL, Parquet, Arrow, WebDataset files, local or in an object store)
+that ``run.steps()`` trains on exactly once per epoch, at any world size.
+
+To the loader it is a map-style dataset whose index ``i`` is the ``i``-th record of the source (the
+records of the shards in the order listed) and whose order is :class:`~elastic_ddp.data.shard_order.ShardOrder`'s,
+not a permutation of the indices: ``run.steps()`` asks it for :meth:`Shards.order`. A rank reads only
+the chunks (``chunk_records`` consecutive records of a shard) that hold its records, each shard
+forward from where its reader stands; a chunk is read once and kept while its shuffle window may
+still need it. See docs/data.md, "Sharded sources".
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from itertools import islice
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from elastic_ddp.data.shard_formats import FORMATS, ShardError, read_records
+from elastic_ddp.data.shard_index import ShardIndex, check_unchanged, expand_urls, load_or_build
+from elastic_ddp.data.shard_order import ShardOrder, shard_order_version
+
+__all__ = ["ShardError", "Shards"]
+
+
+class _Reader:
+    """A shard's records from ``position`` on, read forward; reopened only to go back."""
+
+    def __init__(self, records: Iterator[Any], position: int) -> None:
+        self.records, self.position = records, position
+
+
+class Shards:
+    """A sharded source for ``run.steps()``: ``Shards("s3://bucket/corpus/*.jsonl.gz", format="jsonl")``.
+
+    ``urls``: fsspec URLs or globs (one filesystem; a glob's matches sorted), shards in that order.
+    ``format``: ``"jsonl"`` (one JSON value per line; ``.gz``/``.zst``/``.bz2``/``.xz`` decompressed by
+    suffix), ``"parquet"`` (a row as a dict), ``"arrow"`` (Arrow IPC streams, as `datasets` writes them),
+    ``"webdataset"`` (tar files; the members sharing a key as ``{"__key__": ..., ext: bytes}``).
+    ``shards_in_flight``: shards whose records are interleaved by one shuffle window (a block), and
+    about the number of shards a rank has open; ``shuffle_window``: records per window (a
+    ``shards_in_flight``-th of it from each shard). ``transform``: applied to each record as it is
+    read (tokenise, decode); it must return a sample for every record (a filter would change which
+    record a position names). ``index_url``: where the shard index is stored (default: a node-local
+    cache). ``storage_options``: for fsspec (``endpoint_url``, credentials).
+
+    Every record read is checked: a missing shard, one changed since the index was built (size or
+    ETag), one that is truncated or does not decode raise :class:`ShardError` naming the shard and the
+    record, before any step trains on it.
+    """
+
+    def __init__(
+        self,
+        urls: str | list[str],
+        format: str = "jsonl",  # noqa: A002 -- the contract's spelling
+        *,
+        shards_in_flight: int = 8,
+        shuffle_window: int = 1024,
+        transform: Callable[[Any], Any] | None = None,
+        index_url: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if format not in FORMATS:
+            raise ValueError(f"Shards(format={format!r}): expected one of {', '.join(FORMATS)}.")
+        if shards_in_flight < 1 or shuffle_window < shards_in_flight:
+            raise ValueError(
+                f"Shards(shards_in_flight={shards_in_flight}, shuffle_window={shuffle_window}): shards_in_flight must be "
+                ">= 1 and shuffle_window at least shards_in_flight (a window takes records from each shard in flight)."
+            )
+        self.format = format
+        self.shards_in_flight = shards_in_flight
+        self.chunk_records = -(-shuffle_window // shards_in_flight)
+        self.transform = transform
+        self.index_url = index_url
+        self.fs, self.urls = expand_urls(urls, storage_options)
+        self._index: ShardIndex | None = None
+        self._offsets: np.ndarray | None = None  # the first record index of each shard
+        self._readers: OrderedDict[int, _Reader] = OrderedDict()
+        self._chunks: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
+
+    @classmethod
+    def from_hf(cls, dataset: Any, **options: Any) -> Shards:
+        """A ``Shards`` over the files of a Hugging Face streaming dataset (``load_dataset(builder,
+        data_files=..., split=..., streaming=True)``) whose builder is ``parquet``, ``json`` (JSON
+        lines) or ``arrow``; ``options`` as for the constructor (``transform=`` for what ``map`` did).
+
+        The dataset must be as loaded: a ``map``, ``filter``, ``shuffle`` or ``take`` applied to it
+        lives in the stream, not in its files, so it is refused (pass the function as ``transform``).
+        """
+        formats = {"parquet": "parquet", "json": "jsonl", "arrow": "arrow"}
+        source = getattr(dataset, "_ex_iterable", None)
+        builder = getattr(getattr(dataset, "info", None), "builder_name", None)
+        if builder not in formats:
+            raise TypeError(
+                f"Shards.from_hf() takes a streaming dataset of a {', '.join(formats)} builder; this one's builder "
+                f"is {builder!r}."
+            )
+        kwargs = getattr(source, "kwargs", None) or {}
+        files = kwargs.get("files", kwargs.get("base_files"))
+        if type(source).__name__ != "ArrowExamplesIterable" or not files:
+            raise TypeError(
+                f"Shards.from_hf(): the dataset is a {type(source).__name__} stream, not its files as loaded; a map, "
+                "filter, shuffle or take applied to it cannot be resumed from the files. Pass load_dataset(..., "
+                "streaming=True) itself, with the map's function as Shards.from_hf(ds, transform=...)."
+            )
+        return cls([str(f) for f in files], formats[builder], **options)
+
+    # ------------------------------------------------------------------------------------ index
+
+    def prepare(self, group: Any = None) -> ShardIndex:
+        """Load or build the shard index (collective over ``group`` when a process group exists: rank 0
+        reads or builds it and every rank gets its copy, so the data is scanned at most once)."""
+        if self._index is not None:
+            return self._index
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            self._index = load_or_build(self.fs, self.urls, self.format, self.index_url)
+            return self._index
+        box: list[Any] = [None]
+        if dist.get_rank(group) == 0:
+            try:
+                box[0] = load_or_build(self.fs, self.urls, self.format, self.index_url).to_json()
+            except (ShardError, ValueError, OSError) as exc:
+                box[0] = exc  # every rank raises it, not only rank 0 while the others wait
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        self._index = ShardIndex.from_json(box[0], "(from rank 0)")
+        return self._index
+
+    @property
+    def index(self) -> ShardIndex:
+        return self.prepare() if self._index is None else self._index
+
+    @property
+    def _fingerprint(self) -> str:
+        # The checkpoint's name for the data: every shard's URL, size, version and record count.
+        return self.index.fingerprint
+
+    @property
+    def order_version(self) -> str:
+        return shard_order_version(self.shards_in_flight, self.chunk_records)
+
+    def order(self, global_batch_size: int, seed: int) -> ShardOrder:
+        """The job's order of this source's records (what ``run.steps()`` uses instead of a permutation)."""
+        counts = [entry.records for entry in self.index.entries]
+        return ShardOrder(counts, global_batch_size, seed, shards_in_flight=self.shards_in_flight,
+                          chunk_records=self.chunk_records)  # fmt: skip
+
+    def __len__(self) -> int:
+        return self.index.records
+
+    def locate(self, index: int) -> tuple[str, int]:
+        """``(shard URL, record number in it)`` of record ``index``."""
+        shard, record = self._where(index)
+        return self.index.entries[shard].url, record
+
+    def _where(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"Record {index} is outside 0..{len(self) - 1} of this source.")
+        offsets = self._record_offsets()
+        shard = int(np.searchsorted(offsets, index, side="right")) - 1
+        return shard, index - int(offsets[shard])
+
+    def _record_offsets(self) -> np.ndarray:
+        if self._offsets is None:
+            self._offsets = np.cumsum([0, *(e.records for e in self.index.entries)])
+        return self._offsets
+
+    # ---------------------------------------------------------------------------------- reading
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """The samples of records ``indices``, in order (each chunk they fall in read once)."""
+        if not indices:
+            return []
+        wanted = np.asarray(indices, dtype=np.int64)
+        if int(wanted.min()) < 0 or int(wanted.max()) >= len(self):
+            raise IndexError(f"Record indices must be in 0..{len(self) - 1}; got {int(wanted.min())}..{int(wanted.max())}.")
+        shards = np.searchsorted(self._record_offsets(), wanted, side="right") - 1
+        records = wanted - self._record_offsets()[shards]
+        numbers = records // self.chunk_records
+        keys = list(zip(shards.tolist(), numbers.tolist()))
+        chunks = {key: self._chunk(*key) for key in dict.fromkeys(keys)}  # each chunk once, in order
+        within = (records - numbers * self.chunk_records).tolist()
+        return [chunks[key][r] for key, r in zip(keys, within)]
+
+    def _chunk(self, shard: int, number: int) -> list[Any]:
+        key = (shard, number)
+        if key in self._chunks:
+            self._chunks.move_to_end(key)
+            return self._chunks[key]
+        entry = self.index.entries[shard]
+        first = number * self.chunk_records
+        wanted = min(self.chunk_records, entry.records - first)
+        reader = self._readers.pop(shard, None)
+        if reader is None or reader.position > first:
+            reader = self._open(shard, first)
+        if reader.position < first:  # records of this shard no step of this rank needs
+            reader.position += sum(1 for _ in islice(reader.records, first - reader.position))
+        records = list(islice(reader.records, wanted)) if reader.position == first else []
+        reader.position += len(records)
+        if len(records) < wanted:
+            raise ShardError(
+                f"Shard {entry.url} ends at record {reader.position}, but its index counts {entry.records} "
+                "records: it is truncated."
+            )
+        if self.transform is not None:
+            records = [self._transformed(r, entry.url, first + i) for i, r in enumerate(records)]
+        self._readers[shard] = reader
+        while len(self._readers) > 2 * self.shards_in_flight:  # a step may straddle two blocks
+            self._readers.popitem(last=False)[1].records.close()
+        self._chunks[key] = records
+        while len(self._chunks) > 2 * self.shards_in_flight:  # two windows' chunks
+            self._chunks.popitem(last=False)
+        return records
+
+    def _open(self, shard: int, first: int) -> _Reader:
+        entry = self.index.entries[shard]
+        path = self.fs._strip_protocol(entry.url)
+        try:
+            self.fs.invalidate_cache(path)
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            raise ShardError(f"Shard {entry.url} is missing (record {first} was to be read from it).") from None
+        check_unchanged(entry, info)
+        return _Reader(read_records(self.fs, path, self.format, first, url=entry.url), first)
+
+    def _transformed(self, record: Any, url: str, position: int) -> Any:
+        sample = self.transform(record)
+        if sample is None:
+            raise ValueError(
+                f"Shards(transform=...) returned None for shard {url}, record {position}; a transform must return a "
+                "sample for every record (filtering would change which record a position of the order names)."
+            )
+        return sample
+
+    def close(self) -> None:
+        """Close every open shard and drop the cached chunks."""
+        for reader in self._readers.values():
+            reader.records.close()
+        self._readers.clear()
+        self._chunks.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Loader workers get the source without its open files and cached chunks.
+        return {**self.__dict__, "_readers": OrderedDict(), "_chunks": OrderedDict()}
+
+    def __repr__(self) -> str:
+        digest = hashlib.blake2b("\0".join(self.urls).encode(), digest_size=4).hexdigest()
+        return f"Shards({len(self.urls)} {self.format} shards, first {self.urls[0]!r}, list {digest})"
