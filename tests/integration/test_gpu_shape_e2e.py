@@ -147,3 +147,20 @@ def test_a_run_in_the_gpu_nodes_shape_survives_a_kill_and_a_preemption_and_exits
     assert held == {machine: node in (preempted, killed) for machine, node in zip(MACHINES, job.nodes)}, held
     print(f"{script}: worker kill, node kill, preemption, finish and exit in the GPU node's shape in "
           f"{time.monotonic() - started:.0f} s")
+
+
+def test_the_classifier_on_one_node_of_3_ranks_with_4_write_threads_ends_and_exits_promptly(etcd_endpoint, tmp_path):
+    # Each local rank hashes its memory-tier parts beside the write on a thread pool of its own (the
+    # GPU node's path); at the run's end that pool must not keep a worker, and so torchrun, alive.
+    job = Job(
+        etcd_endpoint, tmp_path, nnodes="1", run_id="write-threads", recipe=CLASSIFIER,
+        torchrun_flags=["--nproc-per-node=3"],
+        flags=["--train.max_steps=16", "--checkpoint.every_steps=8", *GPU_SHAPE, "--checkpoint.memory_every_steps=2"],
+    )  # fmt: skip
+    try:
+        job.add_node()
+        job.wait_for_step(16, timeout=240, world_size=3)
+        assert wait_for_exit(job, job.nodes, "the run finished (step 16 logged)") == [0], job.output()[-6000:]
+    finally:
+        job.cleanup()
+    assert "keep it alive" not in job.output()
