@@ -20,3 +20,20 @@ def test_the_successor_starts_after_the_first_fork_when_asked_or_after_a_while_a
     assert fresh([]).due()  # nobody asked for a while: the agent waits for its peers
     forked.pid = 12345  # started
     assert not forked.due()
+
+
+def test_every_preload_imports_and_every_call_runs_here_as_in_the_template():
+    # The template ignores a preload that fails (the worker imports what it needs itself), so a module
+    # renamed or a torch internal the probes call gone would only slow every warm start, silently.
+    import importlib
+
+    for name in (*template.PRELOAD_FIRST, *template.PRELOAD_REST):
+        module, _, function = name.partition(":")
+        imported = importlib.import_module(module)
+        if function:
+            getattr(imported, function)()
+    from torch._inductor import cpp_builder, cpu_vec_isa
+
+    # What the probes are for: answers a fork of the successor finds made.
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize > 0
+    assert cpp_builder.get_compiler_version_info.cache_info().currsize > 0
