@@ -130,7 +130,11 @@ def _paths(index: dict, wanted: set[int]) -> list[tuple]:
 def test_a_run_killed_after_step_20_ends_with_every_ranks_exact_state(uninterrupted, variant, flags, tier):
     root, whole = uninterrupted
     name = f"killed-{variant}"
-    output = run(root, name, *flags, fault="kill@30:rank=1:restart=0", restarts=1)
+    # Every rank holds at step 29 until the asynchronous save of step 20 is committed (on a loaded host it
+    # may take longer than the 9 steps in between), then rank 1 dies at step 30.
+    committed = root / name / "checkpoints" / f"step-{20:09d}" / "manifest.json"
+    fault = f"kill@30:rank=1:restart=0,wait@29:restart=0:until={committed}"
+    output = run(root, name, *flags, fault=fault, restarts=1)
     assert f"Resumed from the {tier} tier" in output, output[-4000:]
     if tier == "memory":
         # The counter's 'late' tensor is the same on every rank until step 10: the tier decided it
