@@ -84,6 +84,11 @@ def main() -> None:
                 break
         epoch += 1
     dist.destroy_process_group()
+    # Leave here, as the recipe's launch() does, with the DDP model still referenced: torch 2.13 can
+    # deadlock when it is freed (the reducer's gloo group joins its run-loop thread, which waits for
+    # the GIL the freeing main thread holds; seen here, a worker hung for minutes at main()'s return).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ benchmarks/RESULTS.md, which a smoke run must leave alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.run import COMPARISONS, RESULTS_MD  # noqa: E402
+from tests.helpers.nodes import descendants  # noqa: E402
 
 
 # Seconds each comparison's smoke run took on a 2-core host: only to split them into two halves of
@@ -56,7 +59,11 @@ def test_smoke_run_records_numbers_for_every_comparison_and_leaves_results_md_al
             run.wait(timeout=580)
     finally:
         for run, file in zip(runs, files):
+            for pid in descendants(run.pid):  # torchrun's workers run in sessions of their own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             run.kill()
+            run.wait()
             file.close()
     for run, log in zip(runs, logs):
         assert run.returncode == 0, log.read_text()[-6000:]
