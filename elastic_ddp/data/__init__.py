@@ -14,6 +14,7 @@ from elastic_ddp.data.sampler import ORDER_VERSION, DataCursor, ElasticSampler, 
 from elastic_ddp.data.seeds import derive_seed, sample_seeds
 from elastic_ddp.data.shard_formats import ShardError
 from elastic_ddp.data.shard_order import ShardOrder
+from elastic_ddp.data.shard_units import UnitOrder
 from elastic_ddp.data.shards import Shards
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "read_samples",
     "sample_seeds",
     "to_device",
+    "UnitOrder",
 ]

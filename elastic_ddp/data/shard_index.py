@@ -21,7 +21,7 @@ from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.data.shard_formats import ShardError, count_records
 
 __all__ = [
-    "INDEX_VERSION", "ShardEntry", "ShardIndex", "check_unchanged", "default_index_url", "expand_urls", "load_or_build",
+    "INDEX_VERSION", "ShardEntry", "ShardIndex", "cache_dir", "check_unchanged", "default_index_url", "expand_urls", "load_or_build",
     "version_of",
 ]  # fmt: skip
 
@@ -129,11 +129,15 @@ def _build(fs: Any, urls: list[str], fmt: str) -> ShardIndex:
     return ShardIndex(fmt, tuple(entries))
 
 
+def cache_dir() -> Path:
+    """This node's cache of shard indexes and unit counts (``$XDG_CACHE_HOME/elastic_ddp``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "elastic_ddp"
+
+
 def default_index_url(urls: list[str], fmt: str) -> str:
     """The node-local cache file of the index of this list of shards."""
     key = hashlib.blake2b(json.dumps([fmt, urls]).encode(), digest_size=12).hexdigest()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return str(Path(base) / "elastic_ddp" / "shard-index" / f"{key}.json")
+    return str(cache_dir() / "shard-index" / f"{key}.json")
 
 
 def load_or_build(fs: Any, urls: list[str], fmt: str, index_url: str | None = None) -> ShardIndex:

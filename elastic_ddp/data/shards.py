@@ -6,7 +6,9 @@ records of the shards in the order listed) and whose order is :class:`~elastic_d
 not a permutation of the indices: ``run.steps()`` asks it for :meth:`Shards.order`. A rank reads only
 the chunks (``chunk_records`` consecutive records of a shard) that hold its records, each shard
 forward from where its reader stands; a chunk is read once and kept while its shuffle window may
-still need it. See docs/data.md, "Sharded sources".
+still need it. With a ``filter`` or packing (``pack_tokens``), a sample is a kept record or a
+fixed-length sequence of tokens, and the order is :class:`~elastic_ddp.data.shard_units.UnitOrder`'s
+over the units each record counts. See docs/data.md, "Sharded sources".
 """
 
 from __future__ import annotations
@@ -18,13 +20,21 @@ from itertools import islice
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from elastic_ddp.data.shard_formats import FORMATS, ShardError, read_records
-from elastic_ddp.data.shard_index import ShardIndex, check_unchanged, expand_urls, load_or_build
+from elastic_ddp.data.shard_index import ShardIndex, check_unchanged, default_index_url, expand_urls, load_or_build
 from elastic_ddp.data.shard_order import ShardOrder, shard_order_version
+from elastic_ddp.data.shard_units import (
+    RecordUnits, UnitOrder, callable_key, load_or_build_units, local_units, open_units, units_of,
+)  # fmt: skip
 
 __all__ = ["ShardError", "Shards"]
+
+
+# A record the filter rejects, in a chunk read for its neighbours; no sample is ever one.
+_DROPPED = object()
 
 
 class _Reader:
@@ -44,9 +54,16 @@ class Shards:
     ``shards_in_flight``: shards whose records are interleaved by one shuffle window (a block), and
     about the number of shards a rank has open; ``shuffle_window``: records per window (a
     ``shards_in_flight``-th of it from each shard). ``transform``: applied to each record as it is
-    read (tokenise, decode); it must return a sample for every record (a filter would change which
-    record a position names). ``index_url``: where the shard index is stored (default: a node-local
-    cache). ``storage_options``: for fsspec (``endpoint_url``, credentials).
+    read (tokenise, decode); it must return a sample for every record it is given. ``filter``: a
+    predicate on the raw record; the records it rejects are never trained on. ``pack_tokens``: pack
+    the documents into sequences of this many tokens, a sample each (a ``torch.long`` tensor of that
+    length): ``transform`` must return each kept record's token ids (a tokeniser, with the separator
+    token it wants), and the documents are concatenated in the data order and cut every
+    ``pack_tokens`` tokens, a document's rest opening the next sample. With a filter or packing, each
+    record's sample count or token count is taken once, with the shard index, and stored beside it
+    (the filter and transform then run over every record once; see docs/data.md). ``index_url``:
+    where the shard index is stored (default: a node-local cache). ``storage_options``: for fsspec
+    (``endpoint_url``, credentials).
 
     Every record read is checked: a missing shard, one changed since the index was built (size or
     ETag), one that is truncated or does not decode raise :class:`ShardError` naming the shard and the
@@ -61,6 +78,8 @@ class Shards:
         shards_in_flight: int = 8,
         shuffle_window: int = 1024,
         transform: Callable[[Any], Any] | None = None,
+        filter: Callable[[Any], bool] | None = None,  # noqa: A002 -- the name users know from datasets
+        pack_tokens: int | None = None,
         index_url: str | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
@@ -71,13 +90,24 @@ class Shards:
                 f"Shards(shards_in_flight={shards_in_flight}, shuffle_window={shuffle_window}): shards_in_flight must be "
                 ">= 1 and shuffle_window at least shards_in_flight (a window takes records from each shard in flight)."
             )
+        if pack_tokens is not None and (isinstance(pack_tokens, bool) or not isinstance(pack_tokens, int) or pack_tokens < 1):
+            raise ValueError(f"Shards(pack_tokens={pack_tokens!r}): expected a number of tokens >= 1, or None.")
+        if pack_tokens is not None and transform is None:
+            raise ValueError(
+                "Shards(pack_tokens=...) needs transform=: a function that returns each record's token ids (the "
+                "packer cuts their concatenation every pack_tokens tokens)."
+            )
         self.format = format
         self.shards_in_flight = shards_in_flight
         self.chunk_records = -(-shuffle_window // shards_in_flight)
         self.transform = transform
+        self.filter = filter
+        self.pack_tokens = pack_tokens
         self.index_url = index_url
         self.fs, self.urls = expand_urls(urls, storage_options)
         self._index: ShardIndex | None = None
+        self._units: RecordUnits | None = None  # with a filter or packing: each record's units
+        self._unit_order: UnitOrder | None = None  # the order packed samples are read in
         self._offsets: np.ndarray | None = None  # the first record index of each shard
         self._readers: OrderedDict[int, _Reader] = OrderedDict()
         self._chunks: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
@@ -114,11 +144,15 @@ class Shards:
     def prepare(self, group: Any = None) -> ShardIndex:
         """Load or build the shard index (collective over ``group`` when a process group exists: rank 0
         reads or builds it and every rank gets its copy, so the data is scanned at most once)."""
-        if self._index is not None:
-            return self._index
+        if self._index is None:
+            self._index = self._prepare_index(group)
+        if self._counts_units and self._units is None:
+            self._units = self._prepare_units(group)
+        return self._index
+
+    def _prepare_index(self, group: Any) -> ShardIndex:
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            self._index = load_or_build(self.fs, self.urls, self.format, self.index_url)
-            return self._index
+            return load_or_build(self.fs, self.urls, self.format, self.index_url)
         box: list[Any] = [None]
         if dist.get_rank(group) == 0:
             try:
@@ -128,30 +162,83 @@ class Shards:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         if isinstance(box[0], BaseException):
             raise box[0]
-        self._index = ShardIndex.from_json(box[0], "(from rank 0)")
-        return self._index
+        return ShardIndex.from_json(box[0], "(from rank 0)")
+
+    @property
+    def _counts_units(self) -> bool:
+        return self.filter is not None or self.pack_tokens is not None
+
+    def _prepare_units(self, group: Any) -> RecordUnits:
+        """Each record's units under this filter and transform: read from beside the index, or taken
+        by rank 0 (every record read once) and stored there; each node keeps a local copy to map."""
+        where = self.index_url or default_index_url(self.urls, self.format)
+        packed = self.pack_tokens is not None
+        key = f"{callable_key(self.filter)}-{callable_key(self.transform) if packed else 'records'}"
+
+        def take() -> tuple[dict[str, Any], bytes | None]:
+            return load_or_build_units(self.fs, self._index, where, key, self.filter, self.transform, packed)
+
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return open_units(where, *take())
+        rank0 = dist.get_global_rank(group, 0) if group is not None else 0
+        box: list[Any] = [None]
+        if dist.get_rank(group) == 0:
+            try:
+                box[0] = take()[0]
+            except (ShardError, ValueError, TypeError, OSError) as exc:
+                box[0] = exc  # every rank raises it, not only rank 0 while the others wait
+        dist.broadcast_object_list(box, src=rank0, group=group)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        meta = box[0]
+        # A node without a copy (the index on rank 0's disk) gets rank 0's bytes: one broadcast, only
+        # at a start where some node lacks them.
+        missing = torch.tensor([local_units(where, meta) is None], dtype=torch.int64)
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
+        data: list[Any] = [None]
+        if int(missing):
+            if dist.get_rank(group) == 0:
+                with open(local_units(where, meta), "rb") as file:
+                    data[0] = file.read()
+            dist.broadcast_object_list(data, src=rank0, group=group)
+        return open_units(where, meta, data[0])
 
     @property
     def index(self) -> ShardIndex:
         return self.prepare() if self._index is None else self._index
 
     @property
+    def units(self) -> RecordUnits | None:
+        """Each record's units (with a filter or packing; ``None`` otherwise)."""
+        self.prepare()
+        return self._units
+
+    @property
     def _fingerprint(self) -> str:
-        # The checkpoint's name for the data: every shard's URL, size, version and record count.
-        return self.index.fingerprint
+        # The checkpoint's name for the data: every shard's URL, size, version and record count, and
+        # with a filter or packing every record's units (another tokeniser, other samples).
+        if self.units is None:
+            return self.index.fingerprint
+        return hashlib.blake2b(f"{self.index.fingerprint}/{self.units.digest}".encode(), digest_size=16).hexdigest()
 
     @property
     def order_version(self) -> str:
-        return shard_order_version(self.shards_in_flight, self.chunk_records)
+        records = shard_order_version(self.shards_in_flight, self.chunk_records)
+        return records if not self._counts_units else f"{records}/units-v1/sample={self.pack_tokens or 1}"
 
-    def order(self, global_batch_size: int, seed: int) -> ShardOrder:
-        """The job's order of this source's records (what ``run.steps()`` uses instead of a permutation)."""
+    def order(self, global_batch_size: int, seed: int) -> ShardOrder | UnitOrder:
+        """The job's order of this source's samples (what ``run.steps()`` uses instead of a permutation)."""
         counts = [entry.records for entry in self.index.entries]
-        return ShardOrder(counts, global_batch_size, seed, shards_in_flight=self.shards_in_flight,
-                          chunk_records=self.chunk_records)  # fmt: skip
+        records = ShardOrder(counts, global_batch_size, seed, shards_in_flight=self.shards_in_flight,
+                             chunk_records=self.chunk_records)  # fmt: skip
+        if self.units is None:
+            return records
+        self._unit_order = UnitOrder(records, self.units, self.pack_tokens or 1, global_batch_size)
+        return self._unit_order
 
     def __len__(self) -> int:
-        return self.index.records
+        """Samples an epoch: records; kept records with a filter; tokens with packing (the cursor's unit)."""
+        return self.index.records if self.units is None else self.units.total
 
     def locate(self, index: int) -> tuple[str, int]:
         """``(shard URL, record number in it)`` of record ``index``."""
@@ -159,8 +246,8 @@ class Shards:
         return self.index.entries[shard].url, record
 
     def _where(self, index: int) -> tuple[int, int]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"Record {index} is outside 0..{len(self) - 1} of this source.")
+        if not 0 <= index < self.index.records:
+            raise IndexError(f"Record {index} is outside 0..{self.index.records - 1} of this source.")
         offsets = self._record_offsets()
         shard = int(np.searchsorted(offsets, index, side="right")) - 1
         return shard, index - int(offsets[shard])
@@ -176,12 +263,25 @@ class Shards:
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
-        """The samples of records ``indices``, in order (each chunk they fall in read once)."""
+        """The samples ``indices`` names, in order: records (each chunk they fall in read once), or with
+        packing the sequences that start at those units (:meth:`UnitOrder.pieces`)."""
+        if self.pack_tokens is not None:
+            return self._packed(indices)
+        samples = self._records(indices)
+        if self.filter is not None:
+            for index, sample in zip(indices, samples):
+                if sample is _DROPPED:
+                    self._changed_units(index, 0, 1)
+        return samples
+
+    def _records(self, indices: list[int]) -> list[Any]:
         if not indices:
             return []
         wanted = np.asarray(indices, dtype=np.int64)
-        if int(wanted.min()) < 0 or int(wanted.max()) >= len(self):
-            raise IndexError(f"Record indices must be in 0..{len(self) - 1}; got {int(wanted.min())}..{int(wanted.max())}.")
+        if int(wanted.min()) < 0 or int(wanted.max()) >= self.index.records:
+            raise IndexError(
+                f"Record indices must be in 0..{self.index.records - 1}; got {int(wanted.min())}..{int(wanted.max())}."
+            )
         shards = np.searchsorted(self._record_offsets(), wanted, side="right") - 1
         records = wanted - self._record_offsets()[shards]
         numbers = records // self.chunk_records
@@ -210,7 +310,7 @@ class Shards:
                 f"Shard {entry.url} ends at record {reader.position}, but its index counts {entry.records} "
                 "records: it is truncated."
             )
-        if self.transform is not None:
+        if self.transform is not None or self.filter is not None:
             records = [self._transformed(r, entry.url, first + i) for i, r in enumerate(records)]
         self._readers[shard] = reader
         while len(self._readers) > 2 * self.shards_in_flight:  # a step may straddle two blocks
@@ -231,12 +331,44 @@ class Shards:
         check_unchanged(entry, info)
         return _Reader(read_records(self.fs, path, self.format, first, url=entry.url), first)
 
+    def _packed(self, samples: list[int]) -> list[torch.Tensor]:
+        # A packed sample's records depend on the order (its seed): the one order() last handed out.
+        if self._unit_order is None:
+            raise RuntimeError("A packed source reads samples in an order: call order(global_batch_size, seed) first.")
+        pieces = [self._unit_order.pieces(sample) for sample in samples]
+        records = sorted({record for sample in pieces for record, _, _ in sample})
+        by_record = dict(zip(records, self._records(records)))
+        out = []
+        for sample in pieces:
+            parts = []
+            for record, lo, hi in sample:
+                held = by_record[record]
+                expected = int(self.units.counts[record])
+                if held is _DROPPED or len(held) != expected:
+                    self._changed_units(record, 0 if held is _DROPPED else len(held), expected)
+                parts.append(held[lo:hi])
+            out.append(torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)))
+        return out
+
+    def _changed_units(self, record: int, now: int, then: int) -> None:
+        url, number = self.locate(record)
+        raise ShardError(
+            f"Shard {url}, record {number}: the filter and transform give it {now} units now, {then} when its units "
+            "were counted. The filter or transform changed since (another tokeniser, another threshold), so the "
+            "counted samples are no longer these records. Keep them as they were, or start a new run, whose index "
+            "counts them again (a changed function gets its own counts; delete the index's .units-* files if only "
+            "its data changed)."
+        )
+
     def _transformed(self, record: Any, url: str, position: int) -> Any:
+        if self.filter is not None or self.pack_tokens is not None:
+            units, sample = units_of(record, self.filter, self.transform, self.pack_tokens is not None)
+            return _DROPPED if units == 0 and sample is None else sample
         sample = self.transform(record)
         if sample is None:
             raise ValueError(
                 f"Shards(transform=...) returned None for shard {url}, record {position}; a transform must return a "
-                "sample for every record (filtering would change which record a position of the order names)."
+                "sample for every record (a record to leave out is Shards(filter=...)'s to reject)."
             )
         return sample
 

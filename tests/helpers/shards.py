@@ -18,6 +18,15 @@ def record(i: int) -> dict[str, Any]:
     return {"id": i, "x": x, "y": 2 * x[0] - x[1] + 0.5 * x[2]}
 
 
+VOCABULARY = 101  # what a packed test's model sees of a token: token % VOCABULARY
+
+
+def tokens(record: dict[str, Any]) -> list[int]:
+    """A record as a document of 0..5 tokens that name it (``id * 10 + t``): documents of ragged lengths,
+    some empty, whose every token says which record it came from."""
+    return [record["id"] * 10 + t for t in range(record["id"] % 6)]
+
+
 def shard_sizes(shards: int, base: int = 20) -> list[int]:
     """Unequal shard sizes (one empty), so blocks and windows have ragged ends."""
     return [0 if s == 3 else base + (s * 7) % 11 for s in range(shards)]

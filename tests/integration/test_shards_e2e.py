@@ -1,9 +1,10 @@
 """Sharded sources end to end: ``tests/workers/shards_worker.py`` under torchrun through etcd, its shards and
 its shard index in an S3 API server (moto).
 
-* 64 JSONL.gz shards (shuffle window on): 3 ranks killed with kill -9 past the step-20 checkpoint, resumed
-  on 2 ranks to step 40, then on 4 to step 60 (past the end of the first epoch): the ledger's history holds
-  every record of every shard once per epoch, each step's global batch the one the order names.
+* 64 JSONL.gz shards, packed into sequences of 8 tokens (shuffle window on): 3 ranks killed with kill -9 past
+  the step-20 checkpoint, resumed on 3 ranks to step 30 (each step's loss the uninterrupted run's), on 2 to
+  step 45, then on 4 to step 60 (past the end of the first epoch): every step trained on the uninterrupted
+  run's sequences, and the ledger's sequences cover every token of every record once in the first epoch.
 * A shard replaced in the bucket after the index was built: the relaunched job ends with a message naming
   the shard, before any step trains on it, and the last committed checkpoint verifies.
 """
@@ -15,13 +16,13 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from elastic_ddp.data import DataCursor, ShardOrder, exactly_once_problems, read_ledger
+from elastic_ddp.data import DataCursor, ShardOrder, Shards, read_ledger
 from tests.helpers.job import REPO, Job, one_node_job, resumed_steps
-from tests.helpers.shards import encode, record, shard_sizes, write_shards
+from tests.helpers.shards import encode, record, shard_sizes, tokens, write_shards
 
 WORKER = REPO / "tests" / "workers" / "shards_worker.py"
-SHARDS, BATCH, SEED = 64, 32, 1337
-SIZES = shard_sizes(SHARDS)  # 1,568 records: 49 steps an epoch
+SHARDS, BATCH, SEED, PACK, STEPS = 64, 32, 1337, 8, 60
+SIZES = shard_sizes(SHARDS)  # 1,568 records: 49 steps an epoch; packed, 3,913 tokens: 15 steps an epoch
 
 
 def shards_job(endpoint: str, root: Path, run_id: str, data: str, fmt: str, *, nproc: int, attempt: str,
@@ -35,39 +36,50 @@ def shards_job(endpoint: str, root: Path, run_id: str, data: str, fmt: str, *, n
     )  # fmt: skip
 
 
-def expected_order(num_steps: int) -> list[list[int]]:
-    order, cursor, batches = ShardOrder(SIZES, BATCH, SEED, shards_in_flight=4, chunk_records=4), DataCursor(), []
-    for _ in range(num_steps):
-        indices, cursor = order.batch_at(cursor)
-        batches.append(indices)
-    return batches
-
-
 @pytest.mark.slow
-def test_jsonl_gz_shards_on_s3_killed_at_3_ranks_resumed_at_2_then_4_every_record_once_per_epoch(
+def test_packed_jsonl_gz_shards_on_s3_killed_at_3_ranks_resumed_at_3_then_2_then_4_every_token_once_per_epoch(
     etcd_endpoint, s3_url, tmp_path
 ):
     data = write_shards(f"{s3_url}/corpus", "jsonl", SIZES)
+    packed = {"SHARDS_PACK": str(PACK)}
+    whole = shards_job(etcd_endpoint, tmp_path, "whole", data, "jsonl", nproc=3, attempt="whole",
+                       flags=[f"--train.max_steps={STEPS}"], env_=packed).finish(timeout=240)  # fmt: skip
+    assert "Checkpoint committed" in whole
     first = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=3, attempt="first",
-                       env_={"ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip
+                       env_={**packed, "ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip
     try:
         first.wait_for_commit(20, timeout=240)
         first.wait_for_step(24)
-        first.nodes[0].kill()
+        first.nodes[0].kill()  # kill -9 of the agent and its workers
     finally:
         first.cleanup()
-    output = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=2, attempt="second",
-                        flags=["--train.exit_at_step=40"]).finish(timeout=240)  # fmt: skip
+    # The same size: the resumed steps' losses are the uninterrupted run's, bit for bit.
+    output = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=3, attempt="second",
+                        flags=["--train.exit_at_step=30"], env_=packed).finish(timeout=240)  # fmt: skip
     (resumed,) = resumed_steps(output)
-    assert 20 <= resumed <= 24, output[-4000:]  # the durable checkpoint, or the memory tier's newer state
-    output = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=4, attempt="third",
-                        flags=["--train.max_steps=60"]).finish(timeout=240)  # fmt: skip
-    assert resumed_steps(output) == [40], output[-4000:]
-    history = read_ledger(tmp_path / "sh")
-    assert not exactly_once_problems(history, sum(SIZES)), exactly_once_problems(history, sum(SIZES))
-    assert [entry.all_indices for entry in history.values()] == expected_order(60)
-    assert len({i for entry in history.values() for i in entry.all_indices}) == sum(SIZES)  # epoch 0: every record
-    assert [entry.world_size for entry in history.values()] == [3] * resumed + [2] * (40 - resumed) + [4] * 20
+    assert 20 <= resumed <= 24, output[-4000:]
+    output = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=2, attempt="third",
+                        flags=["--train.exit_at_step=45"], env_=packed).finish(timeout=240)  # fmt: skip
+    assert resumed_steps(output) == [30], output[-4000:]
+    output = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=4, attempt="fourth",
+                        flags=[f"--train.max_steps={STEPS}"], env_=packed).finish(timeout=240)  # fmt: skip
+    assert resumed_steps(output) == [45], output[-4000:]
+    history, reference = read_ledger(tmp_path / "sh"), read_ledger(tmp_path / "whole")
+    assert [entry.world_size for entry in history.values()] == [3] * 30 + [2] * 15 + [4] * (STEPS - 45)
+    # Every step trained on the sequences of the uninterrupted run, at 3, 2 and 4 ranks alike.
+    assert [e.all_indices for e in history.values()] == [e.all_indices for e in reference.values()]
+    assert [e.loss for e in history.values()][:30] == [e.loss for e in reference.values()][:30]
+    # Exactly once: the sequences run on without a gap, and cover every token of every record once an epoch.
+    starts = [i for entry in history.values() for i in entry.all_indices]
+    assert starts == list(range(0, STEPS * BATCH * PACK, PACK))
+    source = Shards(data, "jsonl", shards_in_flight=4, shuffle_window=16, transform=tokens, pack_tokens=PACK,
+                    index_url=f"{data.rpartition('/')[0]}/index.json")  # fmt: skip
+    order, per_epoch = source.order(BATCH, SEED), len(source)
+    stream = [record_index * 10 + t for start in starts for record_index, lo, hi in order.pieces(start) for t in range(lo, hi)]
+    every_token = sorted(t for i in range(sum(SIZES)) for t in tokens(record(i)))
+    assert len(every_token) == per_epoch and len(stream) > 3 * per_epoch
+    for epoch in range(3):  # every token of every record once an epoch
+        assert sorted(stream[epoch * per_epoch : (epoch + 1) * per_epoch]) == every_token, epoch
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 ``SHARDS_FORMAT``, the shard index at ``SHARDS_INDEX`` (tests/helpers/shards.py writes them).
 
 Each record carries its own index in the source (``id``), so every micro-batch checks that it holds exactly
-the records the data order assigned to it (``step.micro.indices``), in that order.
+the records the data order assigned to it (``step.micro.indices``), in that order. With ``SHARDS_PACK=L`` the
+records are documents of tokens (``tests.helpers.shards.tokens``) packed into sequences of ``L`` tokens, and
+the script is a next-token predictor over them.
 """
 
 import json
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import elastic_ddp as edp
+from tests.helpers.shards import VOCABULARY, tokens
 
 
 def collate(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -21,7 +24,26 @@ def collate(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
             torch.tensor([r["y"] for r in records]))  # fmt: skip
 
 
+def train_packed(run: edp.Run, pack: int) -> None:
+    source = edp.Shards(os.environ["SHARDS_URL"], os.environ["SHARDS_FORMAT"], shards_in_flight=4, shuffle_window=16,
+                        index_url=os.environ["SHARDS_INDEX"], transform=tokens, pack_tokens=pack)  # fmt: skip
+    model = nn.Sequential(nn.Embedding(VOCABULARY, 8), nn.Linear(8, VOCABULARY)).to(run.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ddp_model = run.setup(model, optimizer)
+    for step in run.steps(source):
+        for sequences in step:
+            if sequences.shape[1:] != (pack,):
+                raise RuntimeError(f"Step {step.number} got sequences of shape {tuple(sequences.shape)}, not (n, {pack}).")
+            inputs = sequences % VOCABULARY
+            logits = ddp_model(inputs[:, :-1])
+            step.backward(F.cross_entropy(logits.reshape(-1, VOCABULARY), inputs[:, 1:].reshape(-1)))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def train(run: edp.Run) -> None:
+    if os.environ.get("SHARDS_PACK"):
+        return train_packed(run, int(os.environ["SHARDS_PACK"]))
     source = edp.Shards(os.environ["SHARDS_URL"], os.environ["SHARDS_FORMAT"], shards_in_flight=4, shuffle_window=16,
                         index_url=os.environ["SHARDS_INDEX"])  # fmt: skip
     model = nn.Linear(3, 1).to(run.device)

@@ -1,0 +1,132 @@
+"""Filtered and packed sharded sources (``Shards(filter=..., pack_tokens=...)``): the samples are a function of the
+shard index, the seed and the cursor alone. Every kept record once per epoch; every token of every kept document
+once per epoch, in the data order, cut every ``pack_tokens``; the same global batches at any world size and after
+a resume; each record's units counted once; a transform or filter that changed since is an error naming the record."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_ddp.data import DataCursor, ShardError, ShardOrder, Shards, StepBatches
+from elastic_ddp.data import shard_units as shard_units_module
+from tests.helpers.shards import record_id, shard_sizes, tokens, write_shards
+
+SEED, BATCH, LENGTH = 5, 6, 7
+
+
+@pytest.fixture(autouse=True)
+def _index_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def odd(record: dict) -> bool:
+    return record["id"] % 2 == 1
+
+
+def source(tmp_path, fmt="jsonl", **options) -> Shards:
+    glob = write_shards(str(tmp_path / fmt), fmt, shard_sizes(10))
+    return Shards(glob, fmt, shards_in_flight=3, shuffle_window=12, **options)
+
+
+def record_order(data: Shards, epoch: int) -> list[int]:
+    """Every record of ``epoch`` in the data order, filtered or not (the order of records the units follow)."""
+    counts = [entry.records for entry in data.index.entries]
+    return ShardOrder(counts, BATCH, SEED, shards_in_flight=3, chunk_records=data.chunk_records).permutation(epoch)
+
+
+def run_steps(data: Shards, world_size: int, steps: int, start=DataCursor(), start_step=0):
+    """Each step's global batch of samples (the ranks' shares concatenated) and the cursor after."""
+    order = data.order(BATCH, seed=SEED)
+    per_rank = [
+        list(StepBatches(data, order, start, rank=r, world_size=world_size, num_steps=steps, start_step=start_step,
+                         micro_batch_size=2, collate_fn=lambda samples: samples))  # fmt: skip
+        for r in range(world_size)
+    ]
+    batches = [[s for b in step for m in b.micro_batches for s in m.data] for step in zip(*per_rank, strict=True)]
+    return batches, per_rank[0][-1].cursor_after
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "webdataset"])
+def test_packed_samples_are_the_documents_of_the_data_order_cut_every_pack_tokens(tmp_path, fmt):
+    data = source(tmp_path, fmt, transform=lambda r: tokens({"id": record_id(fmt, r)}), pack_tokens=LENGTH)
+    total = sum(len(tokens({"id": i})) for i in range(data.index.records))
+    assert len(data) == total  # the cursor's unit: tokens an epoch
+    steps = -(-2 * total // (BATCH * LENGTH)) + 1  # past the end of the second epoch
+    batches, _ = run_steps(data, 3, steps)
+    stream = [t for e in range(3) for i in record_order(data, e) for t in tokens({"id": i})]
+    produced = torch.cat([s for batch in batches for s in batch]).tolist()
+    assert all(s.dtype == torch.long and s.shape == (LENGTH,) for batch in batches for s in batch)
+    assert produced == stream[: len(produced)]
+    # Each epoch: every token of every document once (a sequence may straddle two epochs).
+    assert sorted(produced[:total]) == sorted(stream[:total]) and len(set(produced[:total])) == total
+
+
+def test_packed_batches_do_not_depend_on_the_world_size_or_a_resume(tmp_path):
+    data = source(tmp_path, transform=tokens, pack_tokens=LENGTH)
+    at3, _ = run_steps(data, 3, 40)
+    at2, cut = run_steps(data, 2, 13)
+    resumed = Shards(data.urls, "jsonl", shards_in_flight=3, shuffle_window=12, transform=tokens, pack_tokens=LENGTH)
+    at4, _ = run_steps(resumed, 4, 27, start=cut, start_step=13)
+    flat = lambda batches: [s.tolist() for batch in batches for s in batch]  # noqa: E731
+    assert flat(at2) + flat(at4) == flat(at3)
+    # The carry-over: a document cut at a step's end goes on in the next step's first sample.
+    assert cut.consumed % LENGTH == 0 and cut.consumed == 13 * BATCH * LENGTH % len(data)
+
+
+def test_a_filter_leaves_out_the_records_it_rejects_and_keeps_the_order_of_the_rest(tmp_path):
+    data = source(tmp_path, filter=odd)
+    kept = [i for i in range(data.index.records) if i % 2 == 1]
+    assert len(data) == len(kept)
+    batches, _ = run_steps(data, 3, -(-2 * len(kept) // BATCH))
+    ids = [s["id"] for batch in batches for s in batch]
+    expected = [i for e in range(3) for i in record_order(data, e) if i % 2 == 1]
+    assert ids == expected[: len(ids)]
+    assert sorted(ids[: len(kept)]) == kept
+    order = data.order(BATCH, seed=SEED)
+    assert order.slice_at(DataCursor(), 0, BATCH) == ids[:BATCH]  # the ledger's indices are the records'
+
+
+def test_units_are_counted_once_and_a_changed_function_counts_them_again(tmp_path, monkeypatch):
+    data = source(tmp_path, transform=tokens, pack_tokens=LENGTH)
+    assert len(data) > 0
+    taken = []
+    real = shard_units_module._count
+    monkeypatch.setattr(shard_units_module, "_count", lambda *a, **k: taken.append(1) or real(*a, **k))
+    again = Shards(data.urls, "jsonl", shards_in_flight=3, shuffle_window=12, transform=tokens, pack_tokens=LENGTH)
+    assert len(again) == len(data) and again._fingerprint == data._fingerprint and not taken
+
+    def longer(record):
+        return tokens(record) + [0]
+
+    other = Shards(data.urls, "jsonl", shards_in_flight=3, shuffle_window=12, transform=longer, pack_tokens=LENGTH)
+    assert len(other) == len(data) + data.index.records and taken == [1]
+    assert other._fingerprint != data._fingerprint and other.index.fingerprint == data.index.fingerprint
+    # A checkpoint names the kind of samples its cursor counts: records, kept records or tokens.
+    plain = Shards(data.urls, "jsonl", shards_in_flight=3, shuffle_window=12)
+    filtered = Shards(data.urls, "jsonl", shards_in_flight=3, shuffle_window=12, filter=odd)
+    assert len({plain.order_version, filtered.order_version, data.order_version}) == 3
+
+
+def test_a_tokeniser_that_changed_since_the_units_were_counted_is_an_error_naming_the_record(tmp_path):
+    vocabulary = {"extra": 0}
+
+    def tokenise(record):
+        return tokens(record) + [0] * vocabulary["extra"]
+
+    data = source(tmp_path, transform=tokenise, pack_tokens=LENGTH)
+    len(data)
+    vocabulary["extra"] = 1  # what the cache key cannot see: a tokeniser object's state
+    again = Shards(data.urls, "jsonl", shards_in_flight=3, shuffle_window=12, transform=tokenise, pack_tokens=LENGTH)
+    order = again.order(BATCH, seed=SEED)
+    with pytest.raises(ShardError, match=r"Shard .*part-\d+\.jsonl\.gz, record \d+: the filter and transform give it \d+ units now"):
+        again.__getitems__(order.slice_at(DataCursor(), 0, BATCH))
+
+
+def test_packing_needs_a_transform_that_returns_token_ids(tmp_path):
+    with pytest.raises(ValueError, match=r"pack_tokens=\.\.\.\) needs transform="):
+        source(tmp_path, pack_tokens=8)
+    with pytest.raises(ValueError, match=r"pack_tokens=0"):
+        source(tmp_path, transform=tokens, pack_tokens=0)
+    with pytest.raises(ShardError, match=r"record 0: the source's filter or transform failed on it: TypeError: .*one-dimensional"):
+        len(source(tmp_path, transform=lambda r: [[1, 2]], pack_tokens=8))
