@@ -124,6 +124,19 @@ def _registered(name: str, obj: object) -> Stateful:
         raise RunError(f"run.setup(): {exc}") from None
 
 
+def _report_skipped(skipped: list[dict[str, Any]], ledger: StepLedger, metrics: Any) -> None:
+    """Every bad record a sharded source leaves out (``on_bad_record="skip"``), where the user looks: one
+    warning with the first few, the ledger (all of them), a TensorBoard event."""
+    shown = "; ".join(item["reason"] for item in skipped[:3])
+    text = (
+        f"The sharded source skips {len(skipped)} bad record(s) or shard end(s) (on_bad_record='skip'), never "
+        f"trained on: {shown}{' ...' if len(skipped) > 3 else ''}"
+    )
+    log.warning("%s", text)
+    ledger.skipped(skipped)
+    metrics.event(text)
+
+
 def _lockstep(objects: Mapping[str, Stateful]) -> frozenset[str]:
     """The registered objects that change alike on every rank by construction: the data position (the
     run sets it), and a scheduler that follows the optimizer's steps (not ReduceLROnPlateau, which
@@ -535,6 +548,8 @@ class Run:
         ledger = StepLedger(self.cfg.run.dir, rank=self.rank, world_size=self.world_size, resume_step=self.step,
                             enabled=data.ledger)  # fmt: skip
         memory, metrics, every, guard = session.memory, session.metrics, self.cfg.checkpoint.every_steps, session.guard
+        if isinstance(dataset, Shards) and dataset.skipped and self.rank == 0:
+            _report_skipped(dataset.skipped, ledger, metrics)
         agreement = StopAgreement(self._stop_signal, self._control, values=REPORT_SIZE)
         if self.step >= end:
             log.info("[%d/%d] Nothing to train: the run is at step %d of %d.", self.rank, self.step, self.step, end)

@@ -5,7 +5,7 @@ See docs/data.md for the guarantees (no sample repeated or skipped across restar
 changes) and for what they require of a dataset.
 """
 
-from elastic_ddp.data.ledger import LedgerStep, StepLedger, exactly_once_problems, read_ledger
+from elastic_ddp.data.ledger import LedgerStep, StepLedger, exactly_once_problems, read_ledger, read_skipped
 from elastic_ddp.data.loader import (
     MicroBatch, StepBatch, StepBatches, check_dataset, check_same_dataset, dataset_fingerprint, make_step_batch,
     micro_weight, read_samples, to_device,
@@ -40,6 +40,7 @@ __all__ = [
     "rank_bounds",
     "rank_slice",
     "read_ledger",
+    "read_skipped",
     "read_samples",
     "sample_seeds",
     "to_device",

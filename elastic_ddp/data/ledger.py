@@ -36,6 +36,9 @@ step field      type       meaning
 ``loss``        float      the step's global loss (all ranks' samples; float64, as computed)
 ==============  =========  =================================================================
 
+Rank 0 also records, after its header, the bad records a sharded source skips (``on_bad_record="skip"``)
+as ``{"skipped": [{"shard", "record", "reason", "rest"?}, ...]}`` (:func:`read_skipped`).
+
 :func:`read_ledger` groups the headers of all files into attempts, orders the attempts as they ran
 and follows the job's state back from the last one: an attempt that resumed from step ``s``
 continues the latest earlier attempt that completed ``s``, so steps that others recorded after ``s``
@@ -63,7 +66,7 @@ from typing import IO
 
 from elastic_ddp.distributed import ENV_RESTART_COUNT, attempt_id
 
-__all__ = ["LedgerStep", "StepLedger", "exactly_once_problems", "read_ledger"]
+__all__ = ["LedgerStep", "StepLedger", "exactly_once_problems", "read_ledger", "read_skipped"]
 
 LEDGER_DIR = "ledger"
 
@@ -87,6 +90,11 @@ class StepLedger:
         """Step ``step`` (counted after its optimizer step) starts, consuming ``indices`` on this rank."""
         if self._file is not None:
             self._write({"step": step, "indices": indices})
+
+    def skipped(self, records: list[dict]) -> None:
+        """The bad records the source leaves out (shard, record, reason), for :func:`read_skipped`."""
+        if self._file is not None:
+            self._write({"skipped": records})
 
     def finished(self, step: int, loss: float) -> None:
         """Step ``step`` completed with the global ``loss``."""
@@ -179,6 +187,8 @@ def read_ledger(run_dir: str | os.PathLike) -> dict[int, LedgerStep]:
                     current = attempts.setdefault(key, _Attempt(started, same[1], same[2]))
                     current.started = min(current.started, started)
                     continue
+                if "skipped" in record:  # the source's bad records: read_skipped()
+                    continue
                 step = int(record["step"])
                 indices = [int(i) for i in record["indices"]] if "indices" in record else None
                 loss = float(record["loss"]) if "loss" in record else None
@@ -245,6 +255,16 @@ def _lineage(order: list[_Attempt]) -> dict[int, LedgerStep]:
         reached = [i for i in earlier if order[i].reach >= limit]
         index = (reached or earlier or [-1])[-1]
     return dict(sorted(history.items()))
+
+
+def read_skipped(run_dir: str | os.PathLike) -> list[dict]:
+    """The bad records a sharded source left out, as each attempt recorded them (the last record wins)."""
+    found: list[dict] = []
+    for path in sorted((Path(run_dir) / LEDGER_DIR).glob("rank-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.startswith('{"skipped"'):
+                found = json.loads(line)["skipped"]
+    return found
 
 
 def exactly_once_problems(history: dict[int, LedgerStep], samples_per_epoch: int) -> list[str]:

@@ -18,13 +18,29 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FORMATS", "ShardError", "count_records", "read_records"]
+__all__ = ["FORMATS", "BadRecord", "ShardError", "count_records", "read_records"]
 
 FORMATS = ("jsonl", "parquet", "arrow", "webdataset")
 
 
 class ShardError(ValueError):
-    """A shard could not be read as its index describes it. The message names the shard and the record."""
+    """A shard could not be read as its index describes it. The message names the shard and the record.
+
+    ``record``: where the shard stops decoding (the records before it read), when the error is one."""
+
+    def __init__(self, message: str, record: int | None = None) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+class BadRecord:
+    """A record that does not decode, read with ``skip_bad``: it counts as a record and is never a sample."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"BadRecord({self.reason!r})"
 
 
 def _check_format(fmt: str) -> None:
@@ -32,12 +48,16 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"format={fmt!r} is not a shard format; expected one of {', '.join(FORMATS)}.")
 
 
-def read_records(fs: Any, path: str, fmt: str, start: int = 0, url: str | None = None) -> Iterator[Any]:
+def read_records(
+    fs: Any, path: str, fmt: str, start: int = 0, url: str | None = None, skip_bad: bool = False
+) -> Iterator[Any]:
     """The records of shard ``path`` (on fsspec filesystem ``fs``) from record ``start`` to its end.
 
     Records before ``start`` are passed over without being parsed (Parquet: whole row groups are
     not read). JSONL is decompressed by its suffix (``.gz``, ``.zst``, ``.bz2``, ``.xz``: fsspec's
-    ``compression="infer"``). ``url`` names the shard in errors (default: ``path``).
+    ``compression="infer"``). ``url`` names the shard in errors (default: ``path``). With
+    ``skip_bad``, a JSONL line that is not JSON is a :class:`BadRecord` instead of an error (a
+    stream that stops decoding is still a ``ShardError``, its ``record`` where it stopped).
     """
     _check_format(fmt)
     name = url or path
@@ -50,7 +70,7 @@ def read_records(fs: Any, path: str, fmt: str, start: int = 0, url: str | None =
             yield from _arrow(fs, path, start)
             return
         with fs.open(path, "rb", compression="infer" if fmt == "jsonl" else None) as file:
-            reader = _jsonl(file, start, name) if fmt == "jsonl" else _webdataset(file, start)
+            reader = _jsonl(file, start, name, skip_bad) if fmt == "jsonl" else _webdataset(file, start)
             for position, record in reader:
                 yield record
                 position += 1  # the record a failure of the next read is at
@@ -62,13 +82,16 @@ def read_records(fs: Any, path: str, fmt: str, start: int = 0, url: str | None =
         # gzip raises EOFError/BadGzipFile (an OSError) on a cut or damaged stream; pyarrow an
         # ArrowInvalid (a ValueError) or OSError; tarfile a ReadError.
         raise ShardError(
-            f"Shard {name} is corrupt or truncated at record {position}: {type(exc).__name__}: {exc}"
+            f"Shard {name} is corrupt or truncated at record {position}: {type(exc).__name__}: {exc}", position
         ) from exc
 
 
-def count_records(fs: Any, path: str, fmt: str, url: str | None = None) -> tuple[int, list[int]]:
+def count_records(
+    fs: Any, path: str, fmt: str, url: str | None = None, skip_bad: bool = False
+) -> tuple[int, list[int]]:
     """``(records, row_groups)`` of a shard: Parquet's from its footer (the rows of each row group),
-    every other format's by reading it once to the end (which also proves it decodes)."""
+    every other format's by reading it once to the end (which also proves it decodes; ``skip_bad``
+    counts a line that is not JSON as a record, see :func:`read_records`)."""
     _check_format(fmt)
     if fmt == "parquet":
         try:
@@ -82,10 +105,10 @@ def count_records(fs: Any, path: str, fmt: str, url: str | None = None) -> tuple
         except (OSError, ValueError) as exc:
             raise ShardError(f"Shard {url or path} is not a readable Parquet file: {type(exc).__name__}: {exc}") from exc
         return sum(groups), groups
-    return sum(1 for _ in read_records(fs, path, fmt, url=url)), []
+    return sum(1 for _ in read_records(fs, path, fmt, url=url, skip_bad=skip_bad)), []
 
 
-def _jsonl(file: Any, start: int, name: str) -> Iterator[tuple[int, Any]]:
+def _jsonl(file: Any, start: int, name: str, skip_bad: bool = False) -> Iterator[tuple[int, Any]]:
     # A record is a line that is not blank; blank lines (a trailing newline) count for nothing.
     position = 0
     for number, line in enumerate(file, 1):
@@ -95,7 +118,10 @@ def _jsonl(file: Any, start: int, name: str) -> Iterator[tuple[int, Any]]:
             try:
                 record = json.loads(line)
             except ValueError as exc:
-                raise ShardError(f"Shard {name}, record {position} (line {number}): not valid JSON: {exc}") from None
+                reason = f"Shard {name}, record {position} (line {number}): not valid JSON: {exc}"
+                if not skip_bad:
+                    raise ShardError(reason) from None
+                record = BadRecord(reason)
             yield position, record
         position += 1
 

@@ -30,13 +30,17 @@ INDEX_VERSION = 1
 
 @dataclass(frozen=True)
 class ShardEntry:
-    """One shard: its URL, its size in bytes, its version, its records (and Parquet's row groups)."""
+    """One shard: its URL, its size in bytes, its version, its records (and Parquet's row groups).
+
+    ``error`` (only where bad records are skipped): why the shard's readable records end before its
+    end -- a stream that stops decoding; its ``records`` are those before the break."""
 
     url: str
     size: int
     version: str
     records: int
     row_groups: tuple[int, ...] = ()
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class ShardIndex:
 
     format: str
     entries: tuple[ShardEntry, ...]
+    skip_bad: bool = False  # counted with on_bad_record="skip": a shard's records end where it stops decoding
 
     @property
     def records(self) -> int:
@@ -57,7 +62,10 @@ class ShardIndex:
 
     def to_json(self) -> str:
         entries = [{**asdict(e), "row_groups": list(e.row_groups)} for e in self.entries]
-        return json.dumps({"version": INDEX_VERSION, "format": self.format, "entries": entries}, sort_keys=True)
+        body = {"version": INDEX_VERSION, "format": self.format, "entries": entries}
+        if self.skip_bad:
+            body["skip_bad"] = True
+        return json.dumps(body, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> ShardIndex:
@@ -66,7 +74,7 @@ class ShardIndex:
             if raw.get("version") != INDEX_VERSION:
                 raise ValueError(f"index version {raw.get('version')!r}, expected {INDEX_VERSION}")
             entries = tuple(ShardEntry(**{**e, "row_groups": tuple(e["row_groups"])}) for e in raw["entries"])
-            return cls(raw["format"], entries)
+            return cls(raw["format"], entries, bool(raw.get("skip_bad", False)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"The shard index {where} is not a shard index of this version: {exc}") from None
 
@@ -119,14 +127,20 @@ def check_unchanged(entry: ShardEntry, info: dict[str, Any]) -> None:
         )
 
 
-def _build(fs: Any, urls: list[str], fmt: str) -> ShardIndex:
+def _build(fs: Any, urls: list[str], fmt: str, skip_bad: bool) -> ShardIndex:
     entries = []
     for url in urls:
         path = fs._strip_protocol(url)
         info = fs.info(path)
-        records, groups = count_records(fs, path, fmt, url=url)
-        entries.append(ShardEntry(url, int(info.get("size") or 0), version_of(info), records, tuple(groups)))
-    return ShardIndex(fmt, tuple(entries))
+        error = ""
+        try:
+            records, groups = count_records(fs, path, fmt, url=url, skip_bad=skip_bad)
+        except ShardError as exc:
+            if not skip_bad or exc.record is None:
+                raise
+            records, groups, error = exc.record, [], str(exc)  # the records before the break are kept
+        entries.append(ShardEntry(url, int(info.get("size") or 0), version_of(info), records, tuple(groups), error))
+    return ShardIndex(fmt, tuple(entries), skip_bad)
 
 
 def cache_dir() -> Path:
@@ -134,25 +148,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "elastic_ddp"
 
 
-def default_index_url(urls: list[str], fmt: str) -> str:
+def default_index_url(urls: list[str], fmt: str, skip_bad: bool = False) -> str:
     """The node-local cache file of the index of this list of shards."""
-    key = hashlib.blake2b(json.dumps([fmt, urls]).encode(), digest_size=12).hexdigest()
+    key = hashlib.blake2b(json.dumps([fmt, urls, *(["skip_bad"] if skip_bad else [])]).encode(), digest_size=12).hexdigest()
     return str(cache_dir() / "shard-index" / f"{key}.json")
 
 
-def load_or_build(fs: Any, urls: list[str], fmt: str, index_url: str | None = None) -> ShardIndex:
+def load_or_build(fs: Any, urls: list[str], fmt: str, index_url: str | None = None, skip_bad: bool = False) -> ShardIndex:
     """The index of ``urls``: read from ``index_url`` (default: :func:`default_index_url`) when it
-    holds the index of exactly these shards in this format, else built and written there.
+    holds the index of exactly these shards in this format (counted the same way: ``skip_bad``),
+    else built and written there.
 
     A stored index is trusted for the record counts; each shard's size and version are checked
     against it when the shard is opened for reading (:func:`check_unchanged`)."""
-    where = index_url or default_index_url(urls, fmt)
+    where = index_url or default_index_url(urls, fmt, skip_bad)
     storage = Storage(where)
     if storage.exists(where):
         index = ShardIndex.from_json(storage.read_bytes(where).decode(), where)
-        if index.format == fmt and [e.url for e in index.entries] == urls:
+        if index.format == fmt and [e.url for e in index.entries] == urls and index.skip_bad == skip_bad:
             return index
-    index = _build(fs, urls, fmt)
+    index = _build(fs, urls, fmt, skip_bad)
     if storage.is_local:
         os.makedirs(os.path.dirname(storage.fs._strip_protocol(where)), exist_ok=True)
     storage.write_bytes_atomic(where, index.to_json().encode())

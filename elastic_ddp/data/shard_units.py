@@ -1,6 +1,7 @@
-"""Samples that are not one per record: records filtered out, and documents packed into fixed-length sequences.
+"""Samples that are not one per record: records filtered out or skipped, documents packed into fixed-length sequences.
 
-Each record of a sharded source counts a number of *units*: 0 when ``filter`` drops it; else 1, or,
+Each record of a sharded source counts a number of *units*: 0 when ``filter`` drops it (or, with
+``on_bad_record="skip"``, when it does not decode); else 1, or,
 with packing, the length of the token sequence its ``transform`` returns. The counts are taken once,
 with the shard index (:func:`load_or_build_units`), and stored beside it.
 
@@ -25,14 +26,15 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import numpy as np
 
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.data.sampler import DataCursor, ElasticSampler
-from elastic_ddp.data.shard_formats import ShardError, read_records
+from elastic_ddp.data.shard_formats import BadRecord, ShardError, read_records
 from elastic_ddp.data.shard_index import ShardIndex, cache_dir
 from elastic_ddp.data.shard_order import ShardOrder
 
@@ -66,9 +68,10 @@ def callable_key(function: Callable[..., Any] | None) -> str:
 
 def units_of(record: Any, keep: Callable[[Any], bool] | None, transform: Callable[[Any], Any] | None,
              packed: bool) -> tuple[int, Any]:  # fmt: skip
-    """``(units, sample)`` of a raw record: 0 (and ``None``) when ``keep`` drops it; with packing the
-    length of ``transform(record)``, a one-dimensional sequence of token ids; else 1."""
-    if keep is not None and not keep(record):
+    """``(units, sample)`` of a raw record: 0 (and ``None``) when it is a :class:`BadRecord` or ``keep``
+    drops it; with packing the length of ``transform(record)``, a one-dimensional sequence of token
+    ids; else 1."""
+    if isinstance(record, BadRecord) or (keep is not None and not keep(record)):
         return 0, None
     sample = transform(record) if transform is not None else record
     if not packed:
@@ -90,6 +93,7 @@ class RecordUnits:
     per_shard: np.ndarray  # int64, one per shard
     digest: str  # names the counts (and the file they are stored in)
     path: str = ""  # the local file ``counts`` maps, for processes that reopen it
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # bad records skipped (see _count)
 
     @property
     def total(self) -> int:
@@ -106,14 +110,20 @@ class RecordUnits:
 
 
 def _count(fs: Any, index: ShardIndex, keep: Callable[[Any], bool] | None, transform: Callable[[Any], Any] | None,
-           packed: bool) -> np.ndarray:  # fmt: skip
+           packed: bool) -> tuple[np.ndarray, list[dict[str, Any]]]:  # fmt: skip
+    """Every record's units, and the records skipped as bad (``shard``, ``record``, ``reason``; a shard
+    that stops decoding: ``record`` its first unreadable one, ``rest`` true)."""
     counts = np.zeros(index.records, dtype=np.int32)
+    skipped: list[dict[str, Any]] = []
     first = 0
     for entry in index.entries:
         seen = 0
-        for seen, record in enumerate(read_records(fs, fs._strip_protocol(entry.url), index.format, url=entry.url), 1):
-            if seen > entry.records:
-                break
+        records = read_records(fs, fs._strip_protocol(entry.url), index.format, url=entry.url, skip_bad=index.skip_bad)
+        # Never past the counted records: a shard that stops decoding raises at its break.
+        for seen, record in enumerate(islice(records, entry.records), 1):
+            if isinstance(record, BadRecord):
+                skipped.append({"shard": entry.url, "record": seen - 1, "reason": record.reason})
+                continue
             try:
                 counts[first + seen - 1] = units_of(record, keep, transform, packed)[0]
             except Exception as exc:
@@ -121,10 +131,13 @@ def _count(fs: Any, index: ShardIndex, keep: Callable[[Any], bool] | None, trans
                     f"Shard {entry.url}, record {seen - 1}: the source's filter or transform failed on it: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-        if seen != entry.records:
+        records.close()
+        if seen < entry.records:
             raise ShardError(f"Shard {entry.url} holds {seen} records, but its index counts {entry.records}: it changed.")
+        if entry.error:
+            skipped.append({"shard": entry.url, "record": entry.records, "rest": True, "reason": entry.error})
         first += entry.records
-    return counts
+    return counts, skipped
 
 
 def _local_copy(where: str, digest: str) -> str:
@@ -152,7 +165,7 @@ def load_or_build_units(fs: Any, index: ShardIndex, where: str, key: str, keep: 
                         transform: Callable[[Any], Any] | None, packed: bool) -> tuple[dict[str, Any], bytes | None]:  # fmt: skip
     """The unit counts of ``index`` under the filter and transform named ``key``: ``(meta, data)``.
 
-    ``meta`` (``digest``, ``per_shard``) is read from ``{where}.units-{key}.json`` when it belongs to
+    ``meta`` (``digest``, ``per_shard``, ``skipped``) is read from ``{where}.units-{key}.json`` when it belongs to
     this index, else the counts are taken (every record read once) and stored: the counts as
     ``{where}.units-{digest}.npy``, ``meta`` beside them. ``data`` is the ``.npy`` file's bytes when
     they were just taken (``None`` when read from the store: :func:`open_units` fetches them)."""
@@ -162,12 +175,12 @@ def load_or_build_units(fs: Any, index: ShardIndex, where: str, key: str, keep: 
         meta = json.loads(storage.read_bytes(meta_url).decode())
         if meta.get("version") == UNITS_VERSION and meta.get("index") == index.fingerprint:
             return meta, None
-    counts = _count(fs, index, keep, transform, packed)
+    counts, skipped = _count(fs, index, keep, transform, packed)
     data = _npy_bytes(counts)
     bounds = np.cumsum([0, *(e.records for e in index.entries)])
     per_shard = [int(counts[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
     meta = {"version": UNITS_VERSION, "index": index.fingerprint, "key": key, "per_shard": per_shard,
-            "digest": hashlib.blake2b(data, digest_size=16).hexdigest()}  # fmt: skip
+            "digest": hashlib.blake2b(data, digest_size=16).hexdigest(), "skipped": skipped}  # fmt: skip
     if storage.is_local:
         _save_local(_local_copy(where, meta["digest"]), data)
     else:
@@ -199,7 +212,7 @@ def open_units(where: str, meta: dict[str, Any], data: bytes | None = None) -> R
     per_shard = np.asarray(meta["per_shard"], dtype=np.int64)
     if counts.dtype != np.int32 or int(counts.shape[0]) < 0:
         raise ValueError(f"{path} does not hold unit counts (int32); delete it to have them taken again.")
-    return RecordUnits(counts, per_shard, meta["digest"], path)
+    return RecordUnits(counts, per_shard, meta["digest"], path, meta.get("skipped", []))
 
 
 class UnitOrder(ElasticSampler):

@@ -61,7 +61,12 @@ class Shards:
     token it wants), and the documents are concatenated in the data order and cut every
     ``pack_tokens`` tokens, a document's rest opening the next sample. With a filter or packing, each
     record's sample count or token count is taken once, with the shard index, and stored beside it
-    (the filter and transform then run over every record once; see docs/data.md). ``index_url``:
+    (the filter and transform then run over every record once; see docs/data.md).
+    ``on_bad_record``: ``"error"`` (the default) or ``"skip"``: a record that does not decode (a
+    JSONL line that is not JSON), or the rest of a shard whose stream stops decoding, is found when
+    the index is built and left out like a filtered record; the run reports every skip (a warning,
+    the ledger, a TensorBoard event). A shard missing, or changed since the index, is still an
+    error. ``index_url``:
     where the shard index is stored (default: a node-local cache). ``storage_options``: for fsspec
     (``endpoint_url``, credentials).
 
@@ -80,6 +85,7 @@ class Shards:
         transform: Callable[[Any], Any] | None = None,
         filter: Callable[[Any], bool] | None = None,  # noqa: A002 -- the name users know from datasets
         pack_tokens: int | None = None,
+        on_bad_record: str = "error",
         index_url: str | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
@@ -97,12 +103,15 @@ class Shards:
                 "Shards(pack_tokens=...) needs transform=: a function that returns each record's token ids (the "
                 "packer cuts their concatenation every pack_tokens tokens)."
             )
+        if on_bad_record not in ("error", "skip"):
+            raise ValueError(f"Shards(on_bad_record={on_bad_record!r}): expected 'error' or 'skip'.")
         self.format = format
         self.shards_in_flight = shards_in_flight
         self.chunk_records = -(-shuffle_window // shards_in_flight)
         self.transform = transform
         self.filter = filter
         self.pack_tokens = pack_tokens
+        self.skip_bad = on_bad_record == "skip"
         self.index_url = index_url
         self.fs, self.urls = expand_urls(urls, storage_options)
         self._index: ShardIndex | None = None
@@ -152,11 +161,11 @@ class Shards:
 
     def _prepare_index(self, group: Any) -> ShardIndex:
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return load_or_build(self.fs, self.urls, self.format, self.index_url)
+            return load_or_build(self.fs, self.urls, self.format, self.index_url, self.skip_bad)
         box: list[Any] = [None]
         if dist.get_rank(group) == 0:
             try:
-                box[0] = load_or_build(self.fs, self.urls, self.format, self.index_url).to_json()
+                box[0] = load_or_build(self.fs, self.urls, self.format, self.index_url, self.skip_bad).to_json()
             except (ShardError, ValueError, OSError) as exc:
                 box[0] = exc  # every rank raises it, not only rank 0 while the others wait
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
@@ -166,12 +175,12 @@ class Shards:
 
     @property
     def _counts_units(self) -> bool:
-        return self.filter is not None or self.pack_tokens is not None
+        return self.filter is not None or self.pack_tokens is not None or self.skip_bad
 
     def _prepare_units(self, group: Any) -> RecordUnits:
         """Each record's units under this filter and transform: read from beside the index, or taken
         by rank 0 (every record read once) and stored there; each node keeps a local copy to map."""
-        where = self.index_url or default_index_url(self.urls, self.format)
+        where = self.index_url or default_index_url(self.urls, self.format, self.skip_bad)
         packed = self.pack_tokens is not None
         key = f"{callable_key(self.filter)}-{callable_key(self.transform) if packed else 'records'}"
 
@@ -206,6 +215,12 @@ class Shards:
     @property
     def index(self) -> ShardIndex:
         return self.prepare() if self._index is None else self._index
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """The bad records left out (``on_bad_record="skip"``): ``shard``, ``record``, ``reason``, and
+        ``rest`` where the shard stops decoding there."""
+        return [] if self.units is None else list(self.units.skipped)
 
     @property
     def units(self) -> RecordUnits | None:
@@ -268,7 +283,7 @@ class Shards:
         if self.pack_tokens is not None:
             return self._packed(indices)
         samples = self._records(indices)
-        if self.filter is not None:
+        if self._counts_units:
             for index, sample in zip(indices, samples):
                 if sample is _DROPPED:
                     self._changed_units(index, 0, 1)
@@ -310,7 +325,7 @@ class Shards:
                 f"Shard {entry.url} ends at record {reader.position}, but its index counts {entry.records} "
                 "records: it is truncated."
             )
-        if self.transform is not None or self.filter is not None:
+        if self.transform is not None or self._counts_units:
             records = [self._transformed(r, entry.url, first + i) for i, r in enumerate(records)]
         self._readers[shard] = reader
         while len(self._readers) > 2 * self.shards_in_flight:  # a step may straddle two blocks
@@ -329,7 +344,7 @@ class Shards:
         except FileNotFoundError:
             raise ShardError(f"Shard {entry.url} is missing (record {first} was to be read from it).") from None
         check_unchanged(entry, info)
-        return _Reader(read_records(self.fs, path, self.format, first, url=entry.url), first)
+        return _Reader(read_records(self.fs, path, self.format, first, url=entry.url, skip_bad=self.skip_bad), first)
 
     def _packed(self, samples: list[int]) -> list[torch.Tensor]:
         # A packed sample's records depend on the order (its seed): the one order() last handed out.
@@ -361,7 +376,7 @@ class Shards:
         )
 
     def _transformed(self, record: Any, url: str, position: int) -> Any:
-        if self.filter is not None or self.pack_tokens is not None:
+        if self._counts_units:
             units, sample = units_of(record, self.filter, self.transform, self.pack_tokens is not None)
             return _DROPPED if units == 0 and sample is None else sample
         sample = self.transform(record)

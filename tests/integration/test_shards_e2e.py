@@ -5,20 +5,25 @@ its shard index in an S3 API server (moto).
   the step-20 checkpoint, resumed on 3 ranks to step 30 (each step's loss the uninterrupted run's), on 2 to
   step 45, then on 4 to step 60 (past the end of the first epoch): every step trained on the uninterrupted
   run's sequences, and the ledger's sequences cover every token of every record once in the first epoch.
+* A record that does not decode, skipped on request (``on_bad_record="skip"``): never trained on, every other
+  record once an epoch, and the skip in the job's log, the ledger and TensorBoard's events.
 * A shard replaced in the bucket after the index was built: the relaunched job ends with a message naming
   the shard, before any step trains on it, and the last committed checkpoint verifies.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 
 import fsspec
 import pytest
 
-from elastic_ddp.data import DataCursor, ShardOrder, Shards, read_ledger
+from elastic_ddp.data import DataCursor, ShardOrder, Shards, read_ledger, read_skipped
 from tests.helpers.job import REPO, Job, one_node_job, resumed_steps
 from tests.helpers.shards import encode, record, shard_sizes, tokens, write_shards
+from tests.unit.test_metrics import texts
 
 WORKER = REPO / "tests" / "workers" / "shards_worker.py"
 SHARDS, BATCH, SEED, PACK, STEPS = 64, 32, 1337, 8, 60
@@ -104,3 +109,29 @@ def test_a_shard_replaced_after_the_index_was_built_ends_the_job_naming_it_and_t
     assert f"Shard {url} changed since the shard index was built" in output, output[-4000:]
     assert max(read_ledger(tmp_path / "bad")) == 10  # no step trained on it
     assert job.stop_and_verify_checkpoints() >= 1  # step 10's checkpoint, intact
+
+
+@pytest.mark.slow
+def test_a_bad_record_skipped_on_request_is_reported_in_the_log_the_ledger_and_tensorboard(
+    etcd_endpoint, s3_url, tmp_path
+):
+    data = write_shards(f"{s3_url}/corpus", "jsonl", SIZES)
+    url = f"{s3_url}/corpus/part-00005.jsonl.gz"
+    first = sum(SIZES[:5])
+    lines = [json.dumps(record(i)) for i in range(first, first + SIZES[5])]
+    lines[2] = '{"id": 3, "x": [1'  # record 2 of shard 5 does not decode
+    with fsspec.open(url, "wb") as out:
+        out.write(gzip.compress(("\n".join(lines) + "\n").encode(), mtime=0))
+    job = shards_job(etcd_endpoint, tmp_path, "skip", data, "jsonl", nproc=3, attempt="first",
+                     flags=["--train.max_steps=50"], env_={"SHARDS_BAD": "skip"})  # fmt: skip
+    output = job.finish(timeout=240)
+    assert "The sharded source skips 1 bad record(s)" in output and f"Shard {url}, record 2 (line 3)" in output
+    [skipped] = read_skipped(tmp_path / "skip")
+    assert (skipped["shard"], skipped["record"]) == (url, 2)
+    history = read_ledger(tmp_path / "skip")
+    consumed = [i for entry in history.values() for i in entry.all_indices]
+    per_epoch = sum(SIZES) - 1
+    assert len(consumed) > per_epoch and first + 2 not in consumed
+    assert sorted(consumed[:per_epoch]) == [i for i in range(sum(SIZES)) if i != first + 2]
+    events = [text for _, text in texts(tmp_path / "skip" / "tensorboard", "events")]
+    assert any("skips 1 bad record(s)" in text for text in events), events

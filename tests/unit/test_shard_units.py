@@ -5,6 +5,9 @@ a resume; each record's units counted once; a transform or filter that changed s
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 import torch
 
@@ -130,3 +133,46 @@ def test_packing_needs_a_transform_that_returns_token_ids(tmp_path):
         source(tmp_path, transform=tokens, pack_tokens=0)
     with pytest.raises(ShardError, match=r"record 0: the source's filter or transform failed on it: TypeError: .*one-dimensional"):
         len(source(tmp_path, transform=lambda r: [[1, 2]], pack_tokens=8))
+
+
+def _rewrite(path: str, lines: list[str], cut: int = 0) -> None:
+    data = gzip.compress(("\n".join(lines) + "\n").encode(), mtime=0)
+    open(path, "wb").write(data[: len(data) - cut] if cut else data)
+
+
+def test_skipping_bad_records_leaves_out_a_line_that_is_not_json_and_names_it(tmp_path):
+    plain = source(tmp_path)
+    url, _ = plain.locate(30)
+    lines = gzip.decompress(open(url, "rb").read()).decode().splitlines()
+    bad_id = json.loads(lines[4])["id"]
+    lines[4] = '{"id": 1, "x": [1, 2'
+    _rewrite(url, lines)
+    with pytest.raises(ShardError, match=r"record 4 \(line 5\): not valid JSON"):
+        len(Shards(plain.urls, "jsonl", shards_in_flight=3, shuffle_window=12, index_url=str(tmp_path / "strict.json")))
+    data = Shards(plain.urls, "jsonl", shards_in_flight=3, shuffle_window=12, on_bad_record="skip")
+    assert len(data) == plain.index.records - 1
+    assert [(s["shard"], s["record"]) for s in data.skipped] == [(url, 4)] and "not valid JSON" in data.skipped[0]["reason"]
+    batches, _ = run_steps(data, 3, -(-len(data) // BATCH))
+    ids = [s["id"] for batch in batches for s in batch][: len(data)]
+    assert sorted(ids) == [i for i in range(plain.index.records) if i != bad_id]
+
+
+def test_skipping_bad_records_keeps_a_cut_shard_up_to_its_break(tmp_path):
+    plain = source(tmp_path)
+    url, _ = plain.locate(30)
+    lines = gzip.decompress(open(url, "rb").read()).decode().splitlines()
+    _rewrite(url, lines, cut=40)
+    data = Shards(plain.urls, "jsonl", shards_in_flight=3, shuffle_window=12, on_bad_record="skip")
+    rest = [s for s in data.skipped if s.get("rest")]
+    assert len(rest) == 1 and rest[0]["shard"] == url and "corrupt or truncated" in rest[0]["reason"]
+    kept = next(e.records for e in data.index.entries if e.url == url)
+    assert 0 < kept < len(lines) and len(data) == plain.index.records - len(lines) + kept - (len(data.skipped) - 1)
+    batches, _ = run_steps(data, 2, -(-len(data) // BATCH))
+    ids = [s["id"] for batch in batches for s in batch][: len(data)]
+    assert len(set(ids)) == len(data)  # every kept record once, none of the cut shard's lost tail
+    # A shard changed since the index is still an error, skipping or not.
+    with open(plain.urls[0], "ab") as f:
+        f.write(b"more")
+    again = Shards(plain.urls, "jsonl", shards_in_flight=3, shuffle_window=12, on_bad_record="skip")
+    with pytest.raises(ShardError, match=r"changed since the shard index was built"):
+        run_steps(again, 1, -(-len(data) // BATCH))

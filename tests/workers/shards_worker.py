@@ -4,7 +4,7 @@
 Each record carries its own index in the source (``id``), so every micro-batch checks that it holds exactly
 the records the data order assigned to it (``step.micro.indices``), in that order. With ``SHARDS_PACK=L`` the
 records are documents of tokens (``tests.helpers.shards.tokens``) packed into sequences of ``L`` tokens, and
-the script is a next-token predictor over them.
+the script is a next-token predictor over them. ``SHARDS_BAD=skip`` skips bad records.
 """
 
 import json
@@ -45,7 +45,7 @@ def train(run: edp.Run) -> None:
     if os.environ.get("SHARDS_PACK"):
         return train_packed(run, int(os.environ["SHARDS_PACK"]))
     source = edp.Shards(os.environ["SHARDS_URL"], os.environ["SHARDS_FORMAT"], shards_in_flight=4, shuffle_window=16,
-                        index_url=os.environ["SHARDS_INDEX"])  # fmt: skip
+                        index_url=os.environ["SHARDS_INDEX"], on_bad_record=os.environ.get("SHARDS_BAD", "error"))  # fmt: skip
     model = nn.Linear(3, 1).to(run.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ddp_model = run.setup(model, optimizer)
