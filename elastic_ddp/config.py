@@ -200,6 +200,16 @@ class DataConfig(Section):
             "exactly-once sample order; costs one host sync per step; see elastic_ddp/data/ledger.py)."
         ),
     )
+    on_change: Literal["refuse", "next_epoch"] = Field(
+        default="refuse",
+        description=(
+            "What a resume does when the dataset's size, fingerprint or order differs from the checkpoint's (shards "
+            "added, a corpus tokenised again): 'refuse' ends the job with an error naming the difference (the saved "
+            "position would name other samples); 'next_epoch' warns and continues at the start of the next epoch "
+            "of the new data, leaving the rest of the saved epoch untrained (model, optimizer and step resume as "
+            "usual). Unchanged data resumes exactly either way."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_workers(self) -> DataConfig:

@@ -151,7 +151,8 @@ class DataState:
 
     The cursor counts positions in a permutation of the dataset's samples; resuming it over another
     dataset (another size, other contents when a fingerprint is given) or another order algorithm
-    would silently repeat and skip samples, so :meth:`bind` refuses that.
+    would silently repeat and skip samples, so :meth:`bind` refuses that -- or, told to
+    (``data.on_change=next_epoch``), moves the position to the next epoch's start.
     """
 
     def __init__(self) -> None:
@@ -171,10 +172,20 @@ class DataState:
         self.cursor = DataCursor.from_state_dict(state)
         self._saved = dict(state)
 
-    def bind(self, num_samples: int, fingerprint: str, where: str, order: str = ORDER_VERSION) -> None:
+    def bind(
+        self, num_samples: int, fingerprint: str, where: str, order: str = ORDER_VERSION, on_change: str = "refuse"
+    ) -> str | None:
         """Attach the position to a dataset of ``num_samples`` (and ``fingerprint``) in the order named
-        ``order``; raise RunError if a resumed position belongs to another dataset or order. ``where``
-        names the checkpoint for the message."""
+        ``order``. ``where`` names the checkpoint for the messages.
+
+        A resumed position that belongs to another dataset or order raises RunError, unless
+        ``on_change`` (``data.on_change``) is ``"next_epoch"``: the position then moves to the start of
+        the next epoch of this dataset, ``DataCursor(epoch + 1, 0)`` -- ``DataCursor(epoch, 0)`` as
+        saved where the checkpoint ended an epoch, since nothing of that one was consumed -- and the
+        warning to log once (what changed, and the saved epoch's samples left untrained) is returned.
+        Otherwise returns None.
+        """
+        note = None
         saved = self._saved
         if saved is not None:
             problems = []
@@ -184,15 +195,31 @@ class DataState:
                 problems.append(f"it was written for a dataset of {saved.get('num_samples')} samples, this one has {num_samples}")
             if saved.get("fingerprint", "") != fingerprint:
                 problems.append(f"its dataset fingerprint is {saved.get('fingerprint')!r}, this one's is {fingerprint!r}")
-            if problems:
+            if problems and on_change != "next_epoch":
                 raise RunError(
                     f"Checkpoint {where} cannot continue over this dataset: {'; '.join(problems)}. Its data "
                     "position would then name other samples, repeating some and skipping others. Use the same "
-                    "data, or start a new run (another run.name or checkpoint.url)."
+                    "data, start a new run (another run.name or checkpoint.url), or pass "
+                    "--data.on_change=next_epoch to continue at the start of the next epoch of this data."
+                )
+            if problems:
+                epoch, consumed = self.cursor.epoch, self.cursor.consumed
+                if consumed:
+                    untrained = saved["num_samples"] - consumed
+                    skipped = f"the rest of epoch {epoch} -- {untrained} samples not yet consumed -- is not trained"
+                    epoch += 1
+                else:
+                    skipped = "the checkpoint had not begun that epoch, so no sample is left untrained"
+                self.cursor = DataCursor(epoch, 0)
+                note = (
+                    f"Checkpoint {where} does not match this dataset: {'; '.join(problems)}. With "
+                    f"data.on_change=next_epoch the run continues at the start of epoch {epoch} of this data; "
+                    f"{skipped}."
                 )
         self.num_samples = num_samples
         self.fingerprint = fingerprint
         self.order = order
+        return note
 
 
 class Step:
@@ -512,7 +539,8 @@ class Run:
         ``torch.utils.data.default_collate``). ``fingerprint`` (optional) names the dataset's contents;
         without it, a dataset's own ``_fingerprint`` does (a Hugging Face ``datasets.Dataset``'s, see
         :func:`~elastic_ddp.data.dataset_fingerprint`). A resume over a dataset with another fingerprint
-        or size is refused, and so is a start where the ranks' datasets differ. The loop ends by itself at
+        or size is refused (``data.on_change=next_epoch``: continued at the start of the next epoch), and
+        so is a start where the ranks' datasets differ. The loop ends by itself at
         ``train.max_steps``, ``train.exit_at_step`` or a stop request, after a blocking checkpoint; leaving
         it early (``break``) is an error, since the steps since the last checkpoint would be lost.
         """
@@ -528,7 +556,9 @@ class Run:
             order = dataset.order_version
         num_samples, fingerprint = check_dataset(dataset), dataset_fingerprint(dataset, fingerprint)
         check_same_dataset(num_samples, fingerprint, self._control)
-        self._data.bind(num_samples, fingerprint, where, order)
+        changed = self._data.bind(num_samples, fingerprint, where, order, self.cfg.data.on_change)
+        if changed and self.is_main:  # every rank moved its cursor alike; one line says so
+            log.warning("[%d/%d] %s", self.rank, self.step, changed)
         return self._loop(dataset, collate_fn)
 
     def _loop(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> Iterator[Step]:

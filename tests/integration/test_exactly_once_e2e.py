@@ -16,6 +16,9 @@ interrupted runs are configured for the same 40 steps (the LR schedule depends o
   job's history has every step once, each consuming the next samples of the data order;
 * a node joining after the other's worker crashed, so that the agents' restart counts differ: every
   step of the history still holds every rank's samples (the ledger names a worker group by its round).
+* a relaunch over another corpus is refused, naming both sizes and the override; with
+  ``--data.on_change=next_epoch`` it warns once and trains from the start of the next epoch of the new
+  corpus, to the end (exit 0).
 
 The corpus is cut to 103 samples of 32 bytes, so steps of 8 run through many epochs and cross
 epoch boundaries; dropout is on, so the per-sample dropout seeds are exercised too.
@@ -24,6 +27,7 @@ epoch boundaries; dropout is on, so the per-sample dropout seeds are exercised t
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -31,7 +35,7 @@ import torch
 from lm import ByteWindows, CorpusConfig, load_corpus
 
 from elastic_ddp.checkpoint import cli as ckpt_cli
-from elastic_ddp.data import LedgerStep, exactly_once_problems, read_ledger
+from elastic_ddp.data import DataCursor, ElasticSampler, LedgerStep, exactly_once_problems, read_ledger
 from tests.helpers.data import data_order
 from tests.helpers.job import Job, one_node_job, resumed_steps, steps
 
@@ -39,6 +43,7 @@ pytestmark = pytest.mark.slow
 
 BLOCK, BATCH, SEED, MAX_BYTES = 32, 8, 1337, 3300
 MAX_STEPS, HALF = 40, 20
+CHANGED_BYTES = 2500  # another corpus for the relaunch: 78 samples of other bytes
 FLAGS = [
     f"--data.max_bytes={MAX_BYTES}", "--data.ledger=true", "--model.dropout=0.1", "--checkpoint.every_steps=10",
     "--checkpoint.keep_last=10", "--train.warmup_steps=5",
@@ -48,8 +53,8 @@ FLAGS = [
 REL_L2_BOUND = 1e-4
 
 
-def samples_per_epoch() -> int:
-    return len(ByteWindows(load_corpus(CorpusConfig(max_bytes=MAX_BYTES)), BLOCK))
+def samples_per_epoch(max_bytes: int = MAX_BYTES) -> int:
+    return len(ByteWindows(load_corpus(CorpusConfig(max_bytes=max_bytes)), BLOCK))
 
 
 def run(
@@ -151,6 +156,49 @@ def test_resume_at_another_world_size_consumes_the_same_samples_per_step(before,
     print(f"{before} -> {after} ranks at step {HALF}: final parameters rel. L2 difference {difference:.2e}, "
           f"largest relative loss difference {loss_gap:.2e}")  # fmt: skip
     assert difference < REL_L2_BOUND
+
+
+def test_a_resume_over_changed_data_is_refused_and_next_epoch_continues_at_the_new_datas_next_epoch(
+    etcd_endpoint, tmp_path
+):
+    per_epoch, changed_per_epoch = samples_per_epoch(), samples_per_epoch(CHANGED_BYTES)
+    saved = ElasticSampler(per_epoch, BATCH, SEED).advance(DataCursor(), HALF)
+    assert saved.consumed > 0  # the checkpoint is inside an epoch, with samples of it left
+    run(etcd_endpoint, tmp_path, "changed", nproc=2, attempt="first", exit_at=HALF).finish()
+    # The corpus is also the recipe's identity, allowed to change here: what is tested is the data position.
+    changed = [f"--data.max_bytes={CHANGED_BYTES}", "--checkpoint.allow_identity_change=true"]
+    refused = Job(
+        etcd_endpoint, tmp_path, nnodes="1", run_id="changed", rdzv_id=f"changed-refused-{uuid.uuid4().hex[:6]}",
+        flags=[*FLAGS, f"--train.max_steps={MAX_STEPS}", *changed],
+        torchrun_flags=["--nproc-per-node=2", "--max-restarts=0"],  # no restart can fix it
+    )  # fmt: skip
+    try:
+        code = refused.add_node().wait(timeout=180)
+    finally:
+        refused.cleanup()
+    output = refused.output()
+    assert code != 0, output[-4000:]
+    assert "cannot continue over this dataset" in output, output[-4000:]
+    assert f"it was written for a dataset of {per_epoch} samples, this one has {changed_per_epoch}" in output
+    assert "--data.on_change=next_epoch" in output
+    assert steps(output) == []  # nothing trained over the other data
+
+    again = run(etcd_endpoint, tmp_path, "changed", nproc=2, attempt="next-epoch",
+                flags=[*changed, "--data.on_change=next_epoch"])  # fmt: skip
+    output = again.finish()
+    assert resumed_steps(output) == [HALF], output[-4000:]
+    [warning] = [line for line in output.splitlines() if "does not match this dataset" in line]  # rank 0's, once
+    assert f" WARNING [0/{HALF}] Checkpoint " in warning, warning
+    assert f"it was written for a dataset of {per_epoch} samples, this one has {changed_per_epoch}" in warning
+    assert f"continues at the start of epoch {saved.epoch + 1} of this data; the rest of epoch {saved.epoch} -- " \
+           f"{per_epoch - saved.consumed} samples not yet consumed -- is not trained" in warning, warning  # fmt: skip
+    history = read_ledger(again.run_dir)
+    assert list(history) == list(range(1, MAX_STEPS + 1))
+    consumed = [entry.all_indices for entry in history.values()]
+    assert consumed[:HALF] == expected_order(HALF, per_epoch)
+    # Step HALF + 1 trained on the first samples of the next epoch of the new corpus, and on from there.
+    next_epoch = DataCursor(saved.epoch + 1, 0)
+    assert consumed[HALF:] == data_order(changed_per_epoch, BATCH, SEED, MAX_STEPS - HALF, next_epoch)
 
 
 def test_a_real_scale_down_neither_repeats_nor_skips_a_sample(etcd_endpoint, tmp_path):

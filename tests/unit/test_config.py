@@ -483,6 +483,14 @@ def test_values_given_by_a_defaults_instance_count_as_given_and_the_others_stay_
     assert not load_config([], Settings()).checkpoint.memory_asked
 
 
+def test_data_on_change_refuses_unless_told_and_a_bad_value_names_the_field_and_the_choices():
+    assert load_config([]).data.on_change == "refuse"
+    assert load_config(["--data.on_change=next_epoch"]).data.on_change == "next_epoch"
+    with pytest.raises(ConfigError) as raised:
+        load_config(["--data.on_change=skip"])
+    assert error_lines(raised) == ["  data.on_change: Input should be 'refuse' or 'next_epoch' (got 'skip')."]
+
+
 def test_the_settings_that_belong_together_are_accepted_together():
     load_config(["--data.num_workers=2", "--data.prefetch_batches=4"])
     load_config(["--checkpoint.resume=never", "--checkpoint.overwrite=true"])

@@ -253,6 +253,62 @@ def test_a_fresh_data_state_binds_to_any_dataset():
     assert (data.num_samples, data.fingerprint, data.cursor) == (5, "", DataCursor())
 
 
+def test_the_refusal_names_the_override():
+    data = DataState()
+    data.load_state_dict(saved_state(num_samples=20))
+    with pytest.raises(RunError, match="pass --data.on_change=next_epoch to continue at the start of the next epoch"):
+        data.bind(21, "abc", "ckpt", on_change="refuse")
+    assert data.cursor == DataCursor(epoch=2, consumed=7)  # nothing moved
+
+
+@pytest.mark.parametrize(
+    "saved,now,problem",
+    [
+        (dict(num_samples=20), (24, "abc"), "it was written for a dataset of 20 samples, this one has 24"),
+        (dict(fingerprint="abc"), (20, "abd"), "its dataset fingerprint is 'abc', this one's is 'abd'"),
+        (dict(order="feistel-6r-v0"), (20, "abc"),
+         f"its data order is 'feistel-6r-v0', this version uses '{ORDER_VERSION}'"),
+    ],
+    ids=["size", "fingerprint", "order-version"],
+)  # fmt: skip
+def test_with_next_epoch_a_resume_over_other_data_starts_the_next_epoch_and_says_what_is_left(saved, now, problem):
+    data = DataState()
+    data.load_state_dict(saved_state(**saved))  # 7 of 20 samples of epoch 2 consumed
+    note = data.bind(*now, "s3://bucket/run/step-000000005", on_change="next_epoch")
+    assert data.cursor == DataCursor(epoch=3, consumed=0)
+    assert (data.num_samples, data.fingerprint, data.order) == (*now, ORDER_VERSION)
+    assert note.startswith("Checkpoint s3://bucket/run/step-000000005 does not match this dataset: ")
+    assert problem in note
+    assert "continues at the start of epoch 3 of this data; the rest of epoch 2 -- 13 samples not yet consumed -- " \
+           "is not trained." in note  # fmt: skip
+    # What the next checkpoint stores: a position in the new data, resumed from exactly.
+    again = DataState()
+    again.load_state_dict(json.loads(json.dumps(data.state_dict())))
+    assert again.bind(*now, "ckpt/step-6", on_change="next_epoch") is None
+    assert again.cursor == DataCursor(epoch=3, consumed=0)
+    ElasticSampler(now[0], 8, 0).slice_at(again.cursor, 0, 8)  # a valid position of the new data
+
+
+def test_with_next_epoch_a_checkpoint_at_an_epochs_end_starts_the_epoch_it_had_not_begun():
+    state = saved_state()
+    state["consumed"] = 0  # a finished epoch is stored as the start of the next
+    data = DataState()
+    data.load_state_dict(state)
+    note = data.bind(30, "abc", "ckpt", on_change="next_epoch")
+    assert data.cursor == DataCursor(epoch=2, consumed=0)
+    assert "continues at the start of epoch 2 of this data; the checkpoint had not begun that epoch" in note
+
+
+def test_with_next_epoch_unchanged_data_resumes_exactly_and_warns_of_nothing():
+    data = DataState()
+    data.load_state_dict(saved_state())
+    assert data.bind(20, "abc", "ckpt", on_change="next_epoch") is None
+    assert data.cursor == DataCursor(epoch=2, consumed=7)
+    fresh = DataState()
+    assert fresh.bind(5, "", "(none)", on_change="next_epoch") is None
+    assert fresh.cursor == DataCursor()
+
+
 # --- generators ------------------------------------------------------------------------------
 
 
