@@ -1,7 +1,8 @@
 """Sharded sources end to end: ``tests/workers/shards_worker.py`` under torchrun through etcd, its shards and
 its shard index in an S3 API server (moto).
 
-* 64 JSONL.gz shards, packed into sequences of 8 tokens (shuffle window on): 3 ranks killed with kill -9 past
+* 64 shards -- JSONL.gz, Parquet, WebDataset on S3, a Hugging Face streaming dataset over Parquet files --
+  packed into sequences of 8 tokens (shuffle window on): 3 ranks killed with kill -9 past
   the step-20 checkpoint, resumed on 3 ranks to step 30 (each step's loss the uninterrupted run's), on 2 to
   step 45, then on 4 to step 60 (past the end of the first epoch): every step trained on the uninterrupted
   run's sequences, and the ledger's sequences cover every token of every record once in the first epoch.
@@ -22,12 +23,12 @@ import pytest
 
 from elastic_ddp.data import DataCursor, ShardOrder, Shards, read_ledger, read_skipped
 from tests.helpers.job import REPO, Job, one_node_job, resumed_steps
-from tests.helpers.shards import encode, record, shard_sizes, tokens, write_shards
+from tests.helpers.shards import encode, record, record_id, shard_sizes, tokens, write_shards
 from tests.unit.test_metrics import texts
 
 WORKER = REPO / "tests" / "workers" / "shards_worker.py"
 SHARDS, BATCH, SEED, PACK, STEPS = 64, 32, 1337, 8, 60
-SIZES = shard_sizes(SHARDS)  # 1,568 records: 49 steps an epoch; packed, 3,913 tokens: 15 steps an epoch
+SIZES = shard_sizes(SHARDS)  # 1,568 records: 49 steps an epoch; packed, 3,916 tokens: 15.3 steps an epoch
 
 
 def shards_job(endpoint: str, root: Path, run_id: str, data: str, fmt: str, *, nproc: int, attempt: str,
@@ -42,15 +43,18 @@ def shards_job(endpoint: str, root: Path, run_id: str, data: str, fmt: str, *, n
 
 
 @pytest.mark.slow
-def test_packed_jsonl_gz_shards_on_s3_killed_at_3_ranks_resumed_at_3_then_2_then_4_every_token_once_per_epoch(
-    etcd_endpoint, s3_url, tmp_path
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "webdataset", "hf-parquet"])
+def test_packed_shards_killed_at_3_ranks_resumed_at_3_then_2_then_4_every_token_once_per_epoch(
+    etcd_endpoint, s3_url, tmp_path, fmt
 ):
-    data = write_shards(f"{s3_url}/corpus", "jsonl", SIZES)
+    # On the S3 API server; a Hugging Face streaming dataset over local Parquet files.
+    files = "parquet" if fmt == "hf-parquet" else fmt
+    data = write_shards(str(tmp_path / "corpus") if fmt == "hf-parquet" else f"{s3_url}/corpus", files, SIZES)
     packed = {"SHARDS_PACK": str(PACK)}
-    whole = shards_job(etcd_endpoint, tmp_path, "whole", data, "jsonl", nproc=3, attempt="whole",
+    whole = shards_job(etcd_endpoint, tmp_path, "whole", data, fmt, nproc=3, attempt="whole",
                        flags=[f"--train.max_steps={STEPS}"], env_=packed).finish(timeout=240)  # fmt: skip
     assert "Checkpoint committed" in whole
-    first = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=3, attempt="first",
+    first = shards_job(etcd_endpoint, tmp_path, "sh", data, fmt, nproc=3, attempt="first",
                        env_={**packed, "ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip
     try:
         first.wait_for_commit(20, timeout=240)
@@ -59,14 +63,14 @@ def test_packed_jsonl_gz_shards_on_s3_killed_at_3_ranks_resumed_at_3_then_2_then
     finally:
         first.cleanup()
     # The same size: the resumed steps' losses are the uninterrupted run's, bit for bit.
-    output = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=3, attempt="second",
+    output = shards_job(etcd_endpoint, tmp_path, "sh", data, fmt, nproc=3, attempt="second",
                         flags=["--train.exit_at_step=30"], env_=packed).finish(timeout=240)  # fmt: skip
     (resumed,) = resumed_steps(output)
     assert 20 <= resumed <= 24, output[-4000:]
-    output = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=2, attempt="third",
+    output = shards_job(etcd_endpoint, tmp_path, "sh", data, fmt, nproc=2, attempt="third",
                         flags=["--train.exit_at_step=45"], env_=packed).finish(timeout=240)  # fmt: skip
     assert resumed_steps(output) == [30], output[-4000:]
-    output = shards_job(etcd_endpoint, tmp_path, "sh", data, "jsonl", nproc=4, attempt="fourth",
+    output = shards_job(etcd_endpoint, tmp_path, "sh", data, fmt, nproc=4, attempt="fourth",
                         flags=[f"--train.max_steps={STEPS}"], env_=packed).finish(timeout=240)  # fmt: skip
     assert resumed_steps(output) == [45], output[-4000:]
     history, reference = read_ledger(tmp_path / "sh"), read_ledger(tmp_path / "whole")
@@ -77,8 +81,8 @@ def test_packed_jsonl_gz_shards_on_s3_killed_at_3_ranks_resumed_at_3_then_2_then
     # Exactly once: the sequences run on without a gap, and cover every token of every record once an epoch.
     starts = [i for entry in history.values() for i in entry.all_indices]
     assert starts == list(range(0, STEPS * BATCH * PACK, PACK))
-    source = Shards(data, "jsonl", shards_in_flight=4, shuffle_window=16, transform=tokens, pack_tokens=PACK,
-                    index_url=f"{data.rpartition('/')[0]}/index.json")  # fmt: skip
+    source = Shards(data, files, shards_in_flight=4, shuffle_window=16, pack_tokens=PACK,
+                    transform=lambda r: tokens({"id": record_id(files, r)}), index_url=str(tmp_path / "audit.json"))  # fmt: skip
     order, per_epoch = source.order(BATCH, SEED), len(source)
     stream = [record_index * 10 + t for start in starts for record_index, lo, hi in order.pieces(start) for t in range(lo, hi)]
     every_token = sorted(t for i in range(sum(SIZES)) for t in tokens(record(i)))

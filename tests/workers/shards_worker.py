@@ -4,7 +4,8 @@
 Each record carries its own index in the source (``id``), so every micro-batch checks that it holds exactly
 the records the data order assigned to it (``step.micro.indices``), in that order. With ``SHARDS_PACK=L`` the
 records are documents of tokens (``tests.helpers.shards.tokens``) packed into sequences of ``L`` tokens, and
-the script is a next-token predictor over them. ``SHARDS_BAD=skip`` skips bad records.
+the script is a next-token predictor over them (``SHARDS_FORMAT=hf-parquet``: the shards as a Hugging Face
+streaming dataset, through ``Shards.from_hf``). ``SHARDS_BAD=skip`` skips bad records.
 """
 
 import json
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import elastic_ddp as edp
-from tests.helpers.shards import VOCABULARY, tokens
+from tests.helpers.shards import VOCABULARY, record_id, tokens
 
 
 def collate(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -24,9 +25,20 @@ def collate(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
             torch.tensor([r["y"] for r in records]))  # fmt: skip
 
 
+def packed_source(pack: int) -> edp.Shards:
+    fmt = os.environ["SHARDS_FORMAT"]
+    options = {"shards_in_flight": 4, "shuffle_window": 16, "index_url": os.environ["SHARDS_INDEX"], "pack_tokens": pack,
+               "transform": lambda r: tokens({"id": record_id(fmt, r)})}  # fmt: skip
+    if fmt == "hf-parquet":  # a Hugging Face streaming dataset over the Parquet shards
+        import datasets
+
+        stream = datasets.load_dataset("parquet", data_files=os.environ["SHARDS_URL"], split="train", streaming=True)
+        return edp.Shards.from_hf(stream, **options)
+    return edp.Shards(os.environ["SHARDS_URL"], fmt, **options)
+
+
 def train_packed(run: edp.Run, pack: int) -> None:
-    source = edp.Shards(os.environ["SHARDS_URL"], os.environ["SHARDS_FORMAT"], shards_in_flight=4, shuffle_window=16,
-                        index_url=os.environ["SHARDS_INDEX"], transform=tokens, pack_tokens=pack)  # fmt: skip
+    source = packed_source(pack)
     model = nn.Sequential(nn.Embedding(VOCABULARY, 8), nn.Linear(8, VOCABULARY)).to(run.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ddp_model = run.setup(model, optimizer)
