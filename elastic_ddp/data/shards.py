@@ -338,13 +338,12 @@ class Shards:
     def _open(self, shard: int, first: int) -> _Reader:
         entry = self.index.entries[shard]
         path = self.fs._strip_protocol(entry.url)
-        try:
-            self.fs.invalidate_cache(path)
-            info = self.fs.info(path)
-        except FileNotFoundError:
-            raise ShardError(f"Shard {entry.url} is missing (record {first} was to be read from it).") from None
-        check_unchanged(entry, info)
-        return _Reader(read_records(self.fs, path, self.format, first, url=entry.url, skip_bad=self.skip_bad), first)
+        self.fs.invalidate_cache(path)  # the shard's size and version now, not as a listing cached them
+        # read_records raises the ShardError of a missing shard, and of a changed one from the info its
+        # open fetched anyway (no request of its own: on an object store, a HEAD per shard).
+        records = read_records(self.fs, path, self.format, first, url=entry.url, skip_bad=self.skip_bad,
+                               check=lambda info: check_unchanged(entry, info))  # fmt: skip
+        return _Reader(records, first)
 
     def _packed(self, samples: list[int]) -> list[torch.Tensor]:
         # A packed sample's records depend on the order (its seed): the one order() last handed out.
