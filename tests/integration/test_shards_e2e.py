@@ -8,8 +8,8 @@ its shard index in an S3 API server (moto).
   run's sequences, and the ledger's sequences cover every token of every record once in the first epoch.
 * A record that does not decode, skipped on request (``on_bad_record="skip"``): never trained on, every other
   record once an epoch, and the skip in the job's log, the ledger and TensorBoard's events.
-* A shard replaced in the bucket after the index was built: the relaunched job ends with a message naming
-  the shard, before any step trains on it, and the last committed checkpoint verifies.
+* A shard overwritten by a corrupt copy in the bucket after the index was built: the relaunched job ends
+  with a message naming the shard, before any step trains on it, and the last committed checkpoint verifies.
 """
 
 from __future__ import annotations
@@ -92,19 +92,19 @@ def test_packed_shards_killed_at_3_ranks_resumed_at_3_then_2_then_4_every_token_
 
 
 @pytest.mark.slow
-def test_a_shard_replaced_after_the_index_was_built_ends_the_job_naming_it_and_the_checkpoint_stays(
+def test_a_shard_corrupted_after_the_index_was_built_ends_the_job_naming_it_and_the_checkpoint_stays(
     etcd_endpoint, s3_url, tmp_path
 ):
     data = write_shards(f"{s3_url}/corpus", "jsonl", SIZES)
     shards_job(etcd_endpoint, tmp_path, "bad", data, "jsonl", nproc=3, attempt="first",
                flags=["--train.exit_at_step=10"]).finish(timeout=240)  # fmt: skip
-    # The shard that holds the first record of step 11, rewritten in place (a new ETag).
+    # The shard that holds the first record of step 11, overwritten by a cut (corrupt) copy: a new ETag.
     order = ShardOrder(SIZES, BATCH, SEED, shards_in_flight=4, chunk_records=4)
     first_record = order.slice_at(order.advance(DataCursor(), 10), 0, 1)[0]
     shard = next(s for s in range(SHARDS) if sum(SIZES[: s + 1]) > first_record)
     url = f"{s3_url}/corpus/part-{shard:05d}.jsonl.gz"
     with fsspec.open(url, "wb") as out:
-        out.write(encode("jsonl", [record(i + 1) for i in range(sum(SIZES[:shard]), sum(SIZES[: shard + 1]))]))
+        out.write(encode("jsonl", [record(i) for i in range(sum(SIZES[:shard]), sum(SIZES[: shard + 1]))])[:-25])
     job = shards_job(etcd_endpoint, tmp_path, "bad", data, "jsonl", nproc=3, attempt="again")
     code = job.nodes[0].wait(timeout=240)
     output = job.output()
