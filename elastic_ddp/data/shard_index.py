@@ -15,14 +15,15 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.data.shard_formats import ShardError, count_records
 
 __all__ = [
-    "INDEX_VERSION", "ShardEntry", "ShardIndex", "cache_dir", "check_unchanged", "default_index_url", "expand_urls", "load_or_build",
-    "version_of",
+    "INDEX_VERSION", "ShardEntry", "ShardIndex", "build_entries", "cache_dir", "check_unchanged", "default_index_url",
+    "expand_urls", "load_or_build", "load_stored", "store", "version_of",
 ]  # fmt: skip
 
 INDEX_VERSION = 1
@@ -127,9 +128,11 @@ def check_unchanged(entry: ShardEntry, info: dict[str, Any]) -> None:
         )
 
 
-def _build(fs: Any, urls: list[str], fmt: str, skip_bad: bool) -> ShardIndex:
-    entries = []
-    for url in urls:
+def build_entries(fs: Any, urls: list[str], fmt: str, skip_bad: bool, shards: Iterable[int]) -> dict[int, ShardEntry]:
+    """The index entries of shards ``shards`` (positions in ``urls``): one pass over each (Parquet: its footer)."""
+    entries = {}
+    for shard in shards:
+        url = urls[shard]
         path = fs._strip_protocol(url)
         info = fs.info(path)
         error = ""
@@ -139,8 +142,8 @@ def _build(fs: Any, urls: list[str], fmt: str, skip_bad: bool) -> ShardIndex:
             if not skip_bad or exc.record is None:
                 raise
             records, groups, error = exc.record, [], str(exc)  # the records before the break are kept
-        entries.append(ShardEntry(url, int(info.get("size") or 0), version_of(info), records, tuple(groups), error))
-    return ShardIndex(fmt, tuple(entries), skip_bad)
+        entries[shard] = ShardEntry(url, int(info.get("size") or 0), version_of(info), records, tuple(groups), error)
+    return entries
 
 
 def cache_dir() -> Path:
@@ -154,21 +157,35 @@ def default_index_url(urls: list[str], fmt: str, skip_bad: bool = False) -> str:
     return str(cache_dir() / "shard-index" / f"{key}.json")
 
 
-def load_or_build(fs: Any, urls: list[str], fmt: str, index_url: str | None = None, skip_bad: bool = False) -> ShardIndex:
-    """The index of ``urls``: read from ``index_url`` (default: :func:`default_index_url`) when it
-    holds the index of exactly these shards in this format (counted the same way: ``skip_bad``),
-    else built and written there.
+def load_stored(where: str, urls: list[str], fmt: str, skip_bad: bool = False) -> ShardIndex | None:
+    """The index stored at ``where`` when it is the index of exactly these shards in this format,
+    counted the same way (``skip_bad``); else ``None``.
 
     A stored index is trusted for the record counts; each shard's size and version are checked
     against it when the shard is opened for reading (:func:`check_unchanged`)."""
-    where = index_url or default_index_url(urls, fmt, skip_bad)
     storage = Storage(where)
-    if storage.exists(where):
-        index = ShardIndex.from_json(storage.read_bytes(where).decode(), where)
-        if index.format == fmt and [e.url for e in index.entries] == urls and index.skip_bad == skip_bad:
-            return index
-    index = _build(fs, urls, fmt, skip_bad)
+    if not storage.exists(where):
+        return None
+    index = ShardIndex.from_json(storage.read_bytes(where).decode(), where)
+    if index.format == fmt and [e.url for e in index.entries] == urls and index.skip_bad == skip_bad:
+        return index
+    return None
+
+
+def store(index: ShardIndex, where: str) -> None:
+    storage = Storage(where)
     if storage.is_local:
         os.makedirs(os.path.dirname(storage.fs._strip_protocol(where)), exist_ok=True)
     storage.write_bytes_atomic(where, index.to_json().encode())
+
+
+def load_or_build(fs: Any, urls: list[str], fmt: str, index_url: str | None = None, skip_bad: bool = False) -> ShardIndex:
+    """The index of ``urls`` (in one process): read from ``index_url`` (default:
+    :func:`default_index_url`, see :func:`load_stored`), else built and written there."""
+    where = index_url or default_index_url(urls, fmt, skip_bad)
+    index = load_stored(where, urls, fmt, skip_bad)
+    if index is None:
+        entries = build_entries(fs, urls, fmt, skip_bad, range(len(urls)))
+        index = ShardIndex(fmt, tuple(entries[i] for i in range(len(urls))), skip_bad)
+        store(index, where)
     return index

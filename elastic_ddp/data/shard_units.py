@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -38,7 +38,10 @@ from elastic_ddp.data.shard_formats import BadRecord, ShardError, read_records
 from elastic_ddp.data.shard_index import ShardIndex, cache_dir
 from elastic_ddp.data.shard_order import ShardOrder
 
-__all__ = ["RecordUnits", "UnitOrder", "callable_key", "load_or_build_units", "units_of"]
+__all__ = [
+    "RecordUnits", "UnitOrder", "assemble", "callable_key", "count_shards", "load_meta", "load_or_build_units",
+    "local_units", "open_units", "store_units", "units_of",
+]  # fmt: skip
 
 UNITS_VERSION = 1
 
@@ -93,7 +96,7 @@ class RecordUnits:
     per_shard: np.ndarray  # int64, one per shard
     digest: str  # names the counts (and the file they are stored in)
     path: str = ""  # the local file ``counts`` maps, for processes that reopen it
-    skipped: list[dict[str, Any]] = field(default_factory=list)  # bad records skipped (see _count)
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # bad records skipped (see count_shards)
 
     @property
     def total(self) -> int:
@@ -109,14 +112,16 @@ class RecordUnits:
             self.counts = np.load(self.path, mmap_mode="r")
 
 
-def _count(fs: Any, index: ShardIndex, keep: Callable[[Any], bool] | None, transform: Callable[[Any], Any] | None,
-           packed: bool) -> tuple[np.ndarray, list[dict[str, Any]]]:  # fmt: skip
-    """Every record's units, and the records skipped as bad (``shard``, ``record``, ``reason``; a shard
-    that stops decoding: ``record`` its first unreadable one, ``rest`` true)."""
-    counts = np.zeros(index.records, dtype=np.int32)
-    skipped: list[dict[str, Any]] = []
-    first = 0
-    for entry in index.entries:
+def count_shards(fs: Any, index: ShardIndex, shards: Iterable[int], keep: Callable[[Any], bool] | None,
+                 transform: Callable[[Any], Any] | None, packed: bool) -> dict[int, tuple[np.ndarray, list[dict[str, Any]]]]:  # fmt: skip
+    """Per shard of ``shards``: each record's units, and the records skipped as bad (``shard``,
+    ``record``, ``reason``; a shard that stops decoding: ``record`` its first unreadable one, ``rest``
+    true). Reads each of those shards once."""
+    parts = {}
+    for shard in shards:
+        entry = index.entries[shard]
+        counts = np.zeros(entry.records, dtype=np.int32)
+        skipped: list[dict[str, Any]] = []
         seen = 0
         records = read_records(fs, fs._strip_protocol(entry.url), index.format, url=entry.url, skip_bad=index.skip_bad)
         # Never past the counted records: a shard that stops decoding raises at its break.
@@ -125,7 +130,7 @@ def _count(fs: Any, index: ShardIndex, keep: Callable[[Any], bool] | None, trans
                 skipped.append({"shard": entry.url, "record": seen - 1, "reason": record.reason})
                 continue
             try:
-                counts[first + seen - 1] = units_of(record, keep, transform, packed)[0]
+                counts[seen - 1] = units_of(record, keep, transform, packed)[0]
             except Exception as exc:
                 raise ShardError(
                     f"Shard {entry.url}, record {seen - 1}: the source's filter or transform failed on it: "
@@ -136,8 +141,19 @@ def _count(fs: Any, index: ShardIndex, keep: Callable[[Any], bool] | None, trans
             raise ShardError(f"Shard {entry.url} holds {seen} records, but its index counts {entry.records}: it changed.")
         if entry.error:
             skipped.append({"shard": entry.url, "record": entry.records, "rest": True, "reason": entry.error})
-        first += entry.records
-    return counts, skipped
+        parts[shard] = counts, skipped
+    return parts
+
+
+def assemble(index: ShardIndex, key: str, parts: dict[int, tuple[np.ndarray, list[dict[str, Any]]]]) -> tuple[dict[str, Any], bytes]:
+    """``(meta, .npy bytes)`` of the counts of every shard (``parts``, from :func:`count_shards`)."""
+    shards = range(len(index.entries))
+    data = _npy_bytes(np.concatenate([np.zeros(0, dtype=np.int32), *(parts[i][0] for i in shards)]))
+    meta = {"version": UNITS_VERSION, "index": index.fingerprint, "key": key,
+            "per_shard": [int(parts[i][0].sum(dtype=np.int64)) for i in shards],
+            "digest": hashlib.blake2b(data, digest_size=16).hexdigest(),
+            "skipped": [item for i in shards for item in parts[i][1]]}  # fmt: skip
+    return meta, data
 
 
 def _local_copy(where: str, digest: str) -> str:
@@ -161,31 +177,38 @@ def _npy_bytes(counts: np.ndarray) -> bytes:
     return sink.getvalue()
 
 
-def load_or_build_units(fs: Any, index: ShardIndex, where: str, key: str, keep: Callable[[Any], bool] | None,
-                        transform: Callable[[Any], Any] | None, packed: bool) -> tuple[dict[str, Any], bytes | None]:  # fmt: skip
-    """The unit counts of ``index`` under the filter and transform named ``key``: ``(meta, data)``.
-
-    ``meta`` (``digest``, ``per_shard``, ``skipped``) is read from ``{where}.units-{key}.json`` when it belongs to
-    this index, else the counts are taken (every record read once) and stored: the counts as
-    ``{where}.units-{digest}.npy``, ``meta`` beside them. ``data`` is the ``.npy`` file's bytes when
-    they were just taken (``None`` when read from the store: :func:`open_units` fetches them)."""
+def load_meta(index: ShardIndex, where: str, key: str) -> dict[str, Any] | None:
+    """The stored ``meta`` (``digest``, ``per_shard``, ``skipped``) of ``index``'s counts under the
+    filter and transform named ``key`` (``{where}.units-{key}.json``); ``None`` when there is none
+    for this index."""
     storage = Storage(where)
     meta_url = f"{where}.units-{key}.json"
     if storage.exists(meta_url):
         meta = json.loads(storage.read_bytes(meta_url).decode())
         if meta.get("version") == UNITS_VERSION and meta.get("index") == index.fingerprint:
-            return meta, None
-    counts, skipped = _count(fs, index, keep, transform, packed)
-    data = _npy_bytes(counts)
-    bounds = np.cumsum([0, *(e.records for e in index.entries)])
-    per_shard = [int(counts[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
-    meta = {"version": UNITS_VERSION, "index": index.fingerprint, "key": key, "per_shard": per_shard,
-            "digest": hashlib.blake2b(data, digest_size=16).hexdigest(), "skipped": skipped}  # fmt: skip
+            return meta
+    return None
+
+
+def store_units(where: str, meta: dict[str, Any], data: bytes) -> None:
+    """Store counts taken: as ``{where}.units-{digest}.npy`` (a local index: this node's copy), with ``meta``."""
+    storage = Storage(where)
     if storage.is_local:
         _save_local(_local_copy(where, meta["digest"]), data)
     else:
         storage.write_bytes_atomic(f"{where}.units-{meta['digest']}.npy", data)
-    storage.write_bytes_atomic(meta_url, json.dumps(meta).encode())
+    storage.write_bytes_atomic(f"{where}.units-{meta['key']}.json", json.dumps(meta).encode())
+
+
+def load_or_build_units(fs: Any, index: ShardIndex, where: str, key: str, keep: Callable[[Any], bool] | None,
+                        transform: Callable[[Any], Any] | None, packed: bool) -> tuple[dict[str, Any], bytes | None]:  # fmt: skip
+    """The unit counts of ``index`` (in one process): ``(meta, data)``, read (:func:`load_meta`; ``data``
+    ``None``: :func:`open_units` fetches it) or taken -- every record read once -- and stored."""
+    meta = load_meta(index, where, key)
+    if meta is not None:
+        return meta, None
+    meta, data = assemble(index, key, count_shards(fs, index, range(len(index.entries)), keep, transform, packed))
+    store_units(where, meta, data)
     return meta, data
 
 

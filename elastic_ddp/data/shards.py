@@ -24,10 +24,13 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.data.shard_formats import FORMATS, ShardError, read_records
-from elastic_ddp.data.shard_index import ShardIndex, check_unchanged, default_index_url, expand_urls, load_or_build
+from elastic_ddp.data.shard_index import (
+    ShardIndex, build_entries, check_unchanged, default_index_url, expand_urls, load_or_build, load_stored, store,
+)  # fmt: skip
 from elastic_ddp.data.shard_order import ShardOrder, shard_order_version
 from elastic_ddp.data.shard_units import (
-    RecordUnits, UnitOrder, callable_key, load_or_build_units, local_units, open_units, units_of,
+    RecordUnits, UnitOrder, assemble, callable_key, count_shards, load_meta, load_or_build_units, local_units, open_units,
+    store_units, units_of,
 )  # fmt: skip
 
 __all__ = ["ShardError", "Shards"]
@@ -151,8 +154,10 @@ class Shards:
     # ------------------------------------------------------------------------------------ index
 
     def prepare(self, group: Any = None) -> ShardIndex:
-        """Load or build the shard index (collective over ``group`` when a process group exists: rank 0
-        reads or builds it and every rank gets its copy, so the data is scanned at most once)."""
+        """Load or build the shard index, and with a filter, packing or skipping each record's units
+        (collective over ``group`` when a process group exists: rank 0 reads them where they are
+        stored and every rank gets its copy; where they are not, every rank scans a 1/W share of the
+        shards and all gather the results, and rank 0 stores them -- the data is scanned once)."""
         if self._index is None:
             self._index = self._prepare_index(group)
         if self._counts_units and self._units is None:
@@ -162,44 +167,73 @@ class Shards:
     def _prepare_index(self, group: Any) -> ShardIndex:
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return load_or_build(self.fs, self.urls, self.format, self.index_url, self.skip_bad)
+        where = self.index_url or default_index_url(self.urls, self.format, self.skip_bad)
+
+        def read_stored() -> str | None:
+            index = load_stored(where, self.urls, self.format, self.skip_bad)
+            return None if index is None else index.to_json()
+
+        stored = self._from_rank0(group, read_stored)
+        if stored is not None:
+            return ShardIndex.from_json(stored, "(from rank 0)")
+        entries = self._in_parallel(group, lambda shards: build_entries(self.fs, self.urls, self.format, self.skip_bad,
+                                                                        shards))  # fmt: skip
+        index = ShardIndex(self.format, tuple(entries), self.skip_bad)
+        self._from_rank0(group, lambda: store(index, where))
+        return index
+
+    def _from_rank0(self, group: Any, work: Callable[[], Any]) -> Any:
+        """``work()``'s result on rank 0, broadcast; its error raised on every rank, not only on rank 0
+        while the others wait."""
         box: list[Any] = [None]
         if dist.get_rank(group) == 0:
             try:
-                box[0] = load_or_build(self.fs, self.urls, self.format, self.index_url, self.skip_bad).to_json()
-            except (ShardError, ValueError, OSError) as exc:
-                box[0] = exc  # every rank raises it, not only rank 0 while the others wait
+                box[0] = work()
+            except (ShardError, ValueError, TypeError, OSError) as exc:
+                box[0] = exc
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         if isinstance(box[0], BaseException):
             raise box[0]
-        return ShardIndex.from_json(box[0], "(from rank 0)")
+        return box[0]
+
+    def _in_parallel(self, group: Any, work: Callable[[range], dict[int, Any]]) -> list[Any]:
+        """``work(shards)`` for every shard, shared out: rank ``r`` of ``W`` does shards ``r, r+W, ...``
+        and every rank gathers all the results, in shard order. A scan of the data -- the index's
+        count, the units' -- then takes 1/W of the time it takes one rank. A failure on any rank is
+        raised on every rank."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        try:
+            mine: Any = work(range(rank, len(self.urls), world))
+        except (ShardError, ValueError, TypeError, OSError) as exc:
+            mine = exc
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, mine, group=group)
+        failures = [part for part in parts if isinstance(part, BaseException)]
+        if failures:
+            raise failures[0]
+        merged = {shard: result for part in parts for shard, result in part.items()}
+        return [merged[shard] for shard in range(len(self.urls))]
 
     @property
     def _counts_units(self) -> bool:
         return self.filter is not None or self.pack_tokens is not None or self.skip_bad
 
     def _prepare_units(self, group: Any) -> RecordUnits:
-        """Each record's units under this filter and transform: read from beside the index, or taken
-        by rank 0 (every record read once) and stored there; each node keeps a local copy to map."""
+        """Each record's units under this filter and transform: read from beside the index, or taken --
+        each shard read once, by one rank -- and stored there; each node keeps a local copy to map."""
         where = self.index_url or default_index_url(self.urls, self.format, self.skip_bad)
         packed = self.pack_tokens is not None
         key = f"{callable_key(self.filter)}-{callable_key(self.transform) if packed else 'records'}"
-
-        def take() -> tuple[dict[str, Any], bytes | None]:
-            return load_or_build_units(self.fs, self._index, where, key, self.filter, self.transform, packed)
-
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return open_units(where, *take())
-        rank0 = dist.get_global_rank(group, 0) if group is not None else 0
-        box: list[Any] = [None]
-        if dist.get_rank(group) == 0:
-            try:
-                box[0] = take()[0]
-            except (ShardError, ValueError, TypeError, OSError) as exc:
-                box[0] = exc  # every rank raises it, not only rank 0 while the others wait
-        dist.broadcast_object_list(box, src=rank0, group=group)
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        meta = box[0]
+            return open_units(where, *load_or_build_units(self.fs, self._index, where, key, self.filter,
+                                                          self.transform, packed))  # fmt: skip
+        meta = self._from_rank0(group, lambda: load_meta(self._index, where, key))
+        if meta is None:
+            parts = self._in_parallel(group, lambda shards: count_shards(self.fs, self._index, shards, self.filter,
+                                                                         self.transform, packed))  # fmt: skip
+            meta, data = assemble(self._index, key, dict(enumerate(parts)))
+            self._from_rank0(group, lambda: store_units(where, meta, data))
+            return open_units(where, meta, data)
         # A node without a copy (the index on rank 0's disk) gets rank 0's bytes: one broadcast, only
         # at a start where some node lacks them.
         missing = torch.tensor([local_units(where, meta) is None], dtype=torch.int64)
@@ -209,7 +243,8 @@ class Shards:
             if dist.get_rank(group) == 0:
                 with open(local_units(where, meta), "rb") as file:
                     data[0] = file.read()
-            dist.broadcast_object_list(data, src=rank0, group=group)
+            dist.broadcast_object_list(data, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                       group=group)  # fmt: skip
         return open_units(where, meta, data[0])
 
     @property

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from elastic_ddp.data import DataCursor, ShardError, ShardOrder, Shards, StepBatches
 from elastic_ddp.data import shard_units as shard_units_module
+from tests.helpers.ranks import run_ranks
 from tests.helpers.shards import record_id, shard_sizes, tokens, write_shards
 
 SEED, BATCH, LENGTH = 5, 6, 7
@@ -94,8 +96,8 @@ def test_units_are_counted_once_and_a_changed_function_counts_them_again(tmp_pat
     data = source(tmp_path, transform=tokens, pack_tokens=LENGTH)
     assert len(data) > 0
     taken = []
-    real = shard_units_module._count
-    monkeypatch.setattr(shard_units_module, "_count", lambda *a, **k: taken.append(1) or real(*a, **k))
+    real = shard_units_module.count_shards
+    monkeypatch.setattr(shard_units_module, "count_shards", lambda *a, **k: taken.append(1) or real(*a, **k))
     again = Shards(data.urls, "jsonl", shards_in_flight=3, shuffle_window=12, transform=tokens, pack_tokens=LENGTH)
     assert len(again) == len(data) and again._fingerprint == data._fingerprint and not taken
 
@@ -176,3 +178,49 @@ def test_skipping_bad_records_keeps_a_cut_shard_up_to_its_break(tmp_path):
     again = Shards(plain.urls, "jsonl", shards_in_flight=3, shuffle_window=12, on_bad_record="skip")
     with pytest.raises(ShardError, match=r"changed since the shard index was built"):
         run_steps(again, 1, -(-len(data) // BATCH))
+
+
+PARALLEL_SCRIPT = """
+    import json, sys
+    sys.path.insert(0, sys.argv[6])  # the repository, for tests.helpers
+    import torch.distributed as dist
+    from elastic_ddp.data import Shards
+    from elastic_ddp.data import shard_formats
+    from tests.helpers.shards import tokens
+
+    rank, store, glob, index, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3)
+    opened = []
+    real = shard_formats.read_records
+    def counting(fs, path, *args, **kwargs):
+        opened.append(path)
+        return real(fs, path, *args, **kwargs)
+    shard_formats.read_records = counting
+    import elastic_ddp.data.shard_units as units_module
+    units_module.read_records = counting
+    data = Shards(glob, "jsonl", shards_in_flight=3, shuffle_window=12, transform=tokens, pack_tokens=7, index_url=index)
+    data.prepare()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"opened": opened, "index": data.index.to_json(), "units": data.units.counts.tolist(),
+                   "fingerprint": data._fingerprint}, f)
+    dist.destroy_process_group()
+"""
+
+
+def test_ranks_build_the_index_and_the_units_in_parallel_each_shard_scanned_once(tmp_path):
+    glob = write_shards(str(tmp_path / "jsonl"), "jsonl", shard_sizes(10))
+    index, out = str(tmp_path / "idx" / "index.json"), str(tmp_path / "out")
+    repo = str(Path(__file__).resolve().parents[2])
+    run_ranks(tmp_path, PARALLEL_SCRIPT, 3, glob, index, out, repo)
+    results = [json.loads(open(f"{out}.{rank}").read()) for rank in range(3)]
+    alone = Shards(glob, "jsonl", shards_in_flight=3, shuffle_window=12, transform=tokens, pack_tokens=7,
+                   index_url=str(tmp_path / "alone.json"))  # fmt: skip
+    assert all(r["index"] == alone.index.to_json() for r in results)  # what one process builds
+    assert all(r["units"] == alone.units.counts.tolist() and r["fingerprint"] == alone._fingerprint for r in results)
+    # Each shard read twice in all (the index's count, then the units'), by one rank: 1/3 of the scan each.
+    opened = [path for r in results for path in r["opened"]]
+    assert sorted(opened) == sorted(2 * [path for path in alone.urls])
+    assert all(len(r["opened"]) < len(opened) for r in results)
+    # Stored: the next start reads them and scans nothing.
+    run_ranks(tmp_path, PARALLEL_SCRIPT, 3, glob, index, out, repo)
+    assert all(json.loads(open(f"{out}.{rank}").read())["opened"] == [] for rank in range(3))
