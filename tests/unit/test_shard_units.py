@@ -224,3 +224,18 @@ def test_ranks_build_the_index_and_the_units_in_parallel_each_shard_scanned_once
     # Stored: the next start reads them and scans nothing.
     run_ranks(tmp_path, PARALLEL_SCRIPT, 3, glob, index, out, repo)
     assert all(json.loads(open(f"{out}.{rank}").read())["opened"] == [] for rank in range(3))
+
+
+def test_packed_samples_are_the_same_read_by_loader_workers(tmp_path):
+    data = source(tmp_path, transform=tokens, pack_tokens=LENGTH)
+    order = data.order(BATCH, seed=SEED)
+    in_process = [s.tolist() for s in data.__getitems__(order.slice_at(DataCursor(), 0, BATCH))]
+    workers = list(StepBatches(data, order, DataCursor(), rank=0, world_size=1, num_steps=1, micro_batch_size=BATCH,
+                               num_workers=2, collate_fn=lambda samples: samples))  # fmt: skip
+    assert [s.tolist() for m in workers[0].micro_batches for s in m.data] == in_process
+
+
+def test_a_filter_that_keeps_nothing_is_refused_with_what_to_do(tmp_path):
+    data = source(tmp_path, filter=lambda record: False)
+    with pytest.raises(ValueError, match=r"holds 0 units an epoch .* nothing to train on"):
+        data.order(BATCH, seed=SEED)
