@@ -5,7 +5,7 @@
 # the oldest end (2.13.0) is what deploy/local/install.sh installs where torch is missing.
 TORCH_NEWEST := 2.14.1
 
-.PHONY: demo test test-fast test-torch-newest
+.PHONY: demo test test-fast test-torch-newest bench
 
 ## A local elastic job: 2 torchrun agents on a bundled etcd, checkpoints and TensorBoard under runs/.
 demo:
@@ -27,3 +27,8 @@ test-fast:
 test-torch-newest:
 	PYTHON= VENV=.venv-torch-$(TORCH_NEWEST) TORCH_VERSION=$(TORCH_NEWEST) \
 		bash deploy/local/test.sh tests/*/test_rendezvous_*.py tests/*/test_checkpoint_*.py
+
+## Every benchmark at tiny sizes (benchmarks/test_smoke.py): checks that each comparison runs and
+## records its numbers, not how fast (benchmarks/run.py --out DIR measures; RESULTS.md has the numbers).
+bench:
+	ELASTIC_DDP_TEST_SLURM=0 bash deploy/local/test.sh benchmarks/test_smoke.py

@@ -1,5 +1,6 @@
 """benchmarks/run.py --smoke runs every comparison at tiny sizes and records numbers for each (two
-halves of the comparisons side by side, each its own run.py --only ...).
+halves of the comparisons side by side, each its own run.py --only ...). ``make bench`` runs it; it
+is not part of ``make test`` (about four minutes of both cores).
 
 No timing assertions: the machine is shared and noisy; the full run's numbers go to
 benchmarks/RESULTS.md, which a smoke run must leave alone.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.run import COMPARISONS, RESULTS_MD  # noqa: E402
