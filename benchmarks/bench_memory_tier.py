@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.common import RECIPE, Context, Result, Target, TimedProcess, alternate, child_env, ratios, row
 from benchmarks.loops import DEFAULT, TINY, Workload, recipe_flags, recipe_rate, standalone
+from elastic_ddp.contract import ENV_FAULT
 
 ON = "--checkpoint.memory_overhead=0.02"  # the budget the deploy manifests set
 NAME = "memory_tier"
@@ -46,7 +47,7 @@ def steps_redone(work, root: Path, kill_at: int, *extra: str, nproc: int = 2) ->
     flags = [f for f in recipe_flags(work, root, kill_at + 10, 10, DURABLE_EVERY, *extra) if f != "--checkpoint.resume=never"]
     cmd = standalone(RECIPE, flags, nproc)
     cmd.insert(cmd.index("--standalone") + 1, "--max-restarts=1")
-    env = child_env(ELASTIC_DDP_FAULT=f"kill@{kill_at}:rank={nproc - 1}:restart=0")
+    env = child_env(**{ENV_FAULT: f"kill@{kill_at}:rank={nproc - 1}:restart=0"})
     with TimedProcess(cmd, env, root / "kill.log") as proc:
         proc.check(600)
     lines = (root / "bench" / "failures.jsonl").read_text(encoding="utf-8").splitlines()

@@ -55,8 +55,7 @@ from benchmarks.common import (
 )  # fmt: skip
 from benchmarks.loops import PLAIN_LOOP, TINY, recipe_flags
 from elastic_ddp.etcd_server import EtcdServer, free_port
-from elastic_ddp.prestart import WARM_SUFFIX
-from elastic_ddp.rendezvous.agent_dir import PREFIX as AGENT_DIR_PREFIX
+from elastic_ddp.contract import AGENT_DIR_PREFIX, ENV_CHECKPOINT_KEY, WARM_SUFFIX
 
 NAME = "recovery"
 TITLE = "Recovery after a node kill: per-node etcd rendezvous vs the blob handler vs stock torchrun c10d"
@@ -253,7 +252,7 @@ def run(ctx: Context) -> Result:
         variants = {
             "ours": recipe("etcd", "ours"),
             **({"compiled": recipe("etcd", "compiled", "--train.compile=true", "--train.micro_batch_size=4",
-                                   env={"ELASTIC_DDP_CHECKPOINT_KEY": "benchmark-key"}),
+                                   env={ENV_CHECKPOINT_KEY: "benchmark-key"}),
                 "blob": recipe("etcd-blob", "blob"),
                 "stock": stock} if with_stock else {}),
         }  # fmt: skip

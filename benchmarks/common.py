@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_ddp.contract import ENV_PRESTART
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "train.py"
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -150,7 +152,7 @@ class Context:
 def child_env(**extra: str) -> dict[str, str]:
     """The environment of every benchmarked process: the repo importable, one thread per rank."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("ELASTIC_DDP_PRESTART", None)  # the default: workers forked warm
+    env.pop(ENV_PRESTART, None)  # the default: workers forked warm
     env.update(extra)
     return env
 

@@ -50,6 +50,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from elastic_ddp.contract import ENV_CHECKPOINT_KEY
+
 __all__ = [
     "IDENTITY", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "DistConfig", "LoggingConfig", "RunConfig", "Section", "TrainConfig", "describe", "identity_differences",
@@ -362,7 +364,7 @@ class CheckpointConfig(Section):
         description=(
             "Share what torch.compile built between nodes, beside the checkpoints (torch.compiler's portable "
             "cache artifacts under <checkpoint.url>/compile/), so that a node that joins does not compile from "
-            "scratch. The artifacts hold code: auto shares them only signed with ELASTIC_DDP_CHECKPOINT_KEY; on "
+            f"scratch. The artifacts hold code: auto shares them only signed with {ENV_CHECKPOINT_KEY}; on "
             "shares them unsigned too (whoever can write the storage can then run code on every node); off "
             "never. Only for a compiled model."
         ),

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.config import DistConfig
+from elastic_ddp.contract import ENV_RDZV_ROUND
 from elastic_ddp.processes import start_ticks
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,6 @@ ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
 ENV_GROUP_RANK = "GROUP_RANK"
 ENV_GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"  # nodes (agents) in the worker group
 ENV_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
-# Set by this package's rendezvous handler in the agent, inherited by its workers.
-ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"
 # Network interfaces: NCCL's and gloo's own variables. The library's gloo groups (stop agreement,
 # checkpoints) must use the interface the user chose for NCCL on a multi-NIC node.
 ENV_NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"

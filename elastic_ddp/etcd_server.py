@@ -29,10 +29,10 @@ import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
+from elastic_ddp.contract import ENV_ETCD_BINARY as ETCD_BINARY_ENV
+
 __all__ = ["EtcdCluster", "EtcdServer", "add_parser", "etcd_binary", "free_port", "run_cli"]
 
-ETCD_BINARY_ENV = "ELASTIC_DDP_ETCD_BINARY"
-"""Path of the etcd binary to run instead of the one :func:`etcd_binary` would find."""
 
 DEFAULT_CLIENT_PORT = 2379
 DEFAULT_PEER_PORT = 2380

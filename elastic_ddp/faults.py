@@ -32,9 +32,10 @@ import signal
 import time
 from dataclasses import dataclass
 
+from elastic_ddp.contract import ENV_FAULT
+
 __all__ = ["ACTIONS", "ENV_FAULT", "POINTS", "Fault", "InjectedFault", "at_point", "at_step", "parse_faults"]
 
-ENV_FAULT = "ELASTIC_DDP_FAULT"
 ACTIONS = ("raise", "kill", "hang", "wait")
 POINTS = ("before_write", "mid_write", "after_write", "before_manifest", "after_manifest")
 _GRAMMAR = f"'<{'|'.join(ACTIONS)}>@<step|point>[:rank=R][:restart=N][:until=PATH]'"

@@ -13,9 +13,9 @@ import logging
 import os
 import sys
 
-__all__ = ["ENV_LOG_LEVEL", "configure_logging"]
+from elastic_ddp.contract import ENV_LOG_LEVEL
 
-ENV_LOG_LEVEL = "ELASTIC_DDP_LOG_LEVEL"
+__all__ = ["ENV_LOG_LEVEL", "configure_logging"]
 
 
 def configure_logging(tag: str) -> logging.Logger:

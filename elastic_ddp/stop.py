@@ -44,6 +44,10 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from elastic_ddp.contract import (
+    ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_RESTARTED, EXIT_ORPHANED, EXIT_STOP_TIMEOUT,
+    EXIT_STOPPED, LEAVING_SOCKET, MAX_LEAVING_MESSAGE, MEMBERS_GONE_FILE, NODES_JOINING_FILE, SETTINGS_ERROR_FILE,
+)  # fmt: skip
 from elastic_ddp.processes import agent_pid
 
 __all__ = [
@@ -55,25 +59,6 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
-
-# A failure the job cannot recover from by itself (a checkpoint that cannot be written, storage that
-# is not shared, a resume that would mix runs): one clear message, then this status.
-EXIT_FAILED = 1
-# A setting is invalid (an unknown key, a value out of range), found before any process group exists:
-# no restart can fix it. 2, the status of a command-line usage error (argparse's), kept from before
-# this constant: scripts and tests check it. Under this package's rendezvous handler the agent ends
-# the job on every node at once (elastic_ddp.run.launch).
-EXIT_CONFIG = 2
-# Exit status of a worker whose agent vanished (the node was lost): it must not train on as a
-# ghost of the old group, so it leaves on its own.
-EXIT_ORPHANED = 70
-# Exit status after a stop on request with the checkpoint committed (EX_TEMPFAIL: run again to
-# resume). Non-zero on purpose: a worker stopped by someone other than its agent is restarted.
-EXIT_STOPPED = 75
-# The stop did not reach a step boundary (and its checkpoint) within checkpoint.grace_s.
-EXIT_STOP_TIMEOUT = 76
-# A survivor waited dist.restart_wait_s after a stop checkpoint without being restarted.
-EXIT_NOT_RESTARTED = 77
 
 
 class StopSignal:
@@ -363,20 +348,6 @@ def exit_when_orphaned(poll_s: float = 1.0) -> threading.Thread:
     return thread
 
 
-# Set in the torchrun agent by this package's rendezvous handler, inherited by the workers it starts:
-# a directory of that agent's, where a worker whose settings are invalid reports them (see
-# report_settings_error), and the agent's pid (only its own workers report there).
-ENV_SETTINGS_ERROR_DIR = "ELASTIC_DDP_SETTINGS_ERROR_DIR"
-ENV_AGENT_PID = "ELASTIC_DDP_AGENT_PID"
-SETTINGS_ERROR_FILE = "settings-error.txt"
-# In the same directory: why the agent is about to stop its workers when nodes of their round are gone,
-# or, when all of them stay, that it stops them only to admit a joining node.
-MEMBERS_GONE_FILE = "members-gone.txt"
-NODES_JOINING_FILE = "nodes-joining.txt"
-# A Unix datagram socket there, on which the agent's handler hears that its node leaves the job
-# (report_leaving; elastic_ddp.rendezvous.leaving).
-LEAVING_SOCKET = "leaving.sock"
-MAX_LEAVING_MESSAGE = 4096
 # How long a rank signalled while nodes of its round are gone may take to leave by itself (a rank
 # waiting for its restart, or between steps, leaves at once; one in a collective with the dead never).
 MEMBERS_GONE_GRACE_S = 1.0

@@ -39,11 +39,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousExitOp,
 )
 
+from elastic_ddp.contract import ENV_RDZV_ROUND
+
 __all__ = ["BLOB_BACKEND", "create_blob_handler", "register"]
 
 log = logging.getLogger(__name__)
 
-ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"
 BLOB_BACKEND = "etcd-blob"  # the --rdzv-backend name this baseline is registered under
 # Its recovery defaults as it shipped (each heartbeat a write of the whole state, once a second).
 BLOB_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 2,

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_ddp.contract import ENV_PRESTART
+
 __all__ = ["AgentSpec", "etcd_metrics", "process_cpu_s", "simulate"]
 
 BLOB_BACKEND = "etcd-blob"
@@ -91,7 +93,7 @@ def _agent_process(spec: AgentSpec, first: int, count: int, ready, results, go, 
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # each round's rank 0 publishes its own address
     # A simulated agent starts no workers, so its handler starts no workers' template
     # (elastic_ddp.prestart): hundreds of them, each importing torch, would be the measurement.
-    os.environ["ELASTIC_DDP_PRESTART"] = "0"
+    os.environ[ENV_PRESTART] = "0"
     # gRPC's Python client wakes every thread that waits on a stream every 0.1 s, only so that a
     # main thread's signal handlers get to run (grpc._common.MAXIMUM_WAIT_TIMEOUT). An agent on a
     # node of its own has two such threads: negligible. Hundreds of agents in one process on a

@@ -28,9 +28,7 @@ from typing import Any
 import blake3
 
 from elastic_ddp.checkpoint.storage import Storage, join
-
-# The secret that signs manifests. Read at save and at load; never logged or stored.
-ENV_CHECKPOINT_KEY = "ELASTIC_DDP_CHECKPOINT_KEY"
+from elastic_ddp.contract import ENV_CHECKPOINT_KEY  # the secret: read at save and at load; never logged or stored
 
 MANIFEST_NAME = "manifest.json"
 # 4: raw tensor files + index.json (no pickles), BLAKE3 checksums; 3: the same with SHA-256 (still

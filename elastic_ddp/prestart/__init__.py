@@ -48,18 +48,19 @@ import sys
 import time
 from pathlib import Path
 
+from elastic_ddp.contract import ENV_PRESTART as ENV_SWITCH
+from elastic_ddp.contract import ENV_PRESTART_PID as ENV_PID
+from elastic_ddp.contract import ENV_PRESTART_SOCKET as ENV_SOCKET
+from elastic_ddp.contract import PRESTART_SOCKET, WARM_SUFFIX
+
 __all__ = ["ENV_PID", "ENV_SOCKET", "ENV_SWITCH", "SHIM_DIR", "TEMPLATE_SCRIPT", "Template", "without_shim"]
 
 log = logging.getLogger(__name__)
 
-ENV_SOCKET = "ELASTIC_DDP_PRESTART_SOCKET"
-ENV_PID = "ELASTIC_DDP_PRESTART_PID"
-ENV_SWITCH = "ELASTIC_DDP_PRESTART"
 SHIM_DIR = str(Path(__file__).resolve().parent / "shim")
 # Run by its path, not as a module of this package: the package imports torch, and the template
 # must count the threads of a process that has imported nothing yet (template.fork_hazard).
 TEMPLATE_SCRIPT = str(Path(__file__).resolve().parent / "template.py")
-WARM_SUFFIX = ".warm"  # template.WARM_SUFFIX: the file beside the socket once every import is done
 
 
 class Template:
@@ -71,7 +72,7 @@ class Template:
     """
 
     def __init__(self, directory: str) -> None:
-        self.socket_path = os.path.join(directory, "prestart.sock")
+        self.socket_path = os.path.join(directory, PRESTART_SOCKET)
         env = {k: v for k, v in os.environ.items() if k not in (ENV_SOCKET, ENV_PID)}
         self._process: subprocess.Popen | None = subprocess.Popen(
             [sys.executable, TEMPLATE_SCRIPT, self.socket_path, str(os.getpid())],

@@ -21,12 +21,21 @@ import sys
 import time
 import traceback
 
-_spec = importlib.util.spec_from_file_location("_elastic_ddp_prestart_wire", os.path.join(os.path.dirname(__file__), "wire.py"))
-_wire = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_wire)
+
+def _load_by_path(name: str, path: str):
+    """The standard-library-only module at ``path``, executed as ``name`` without importing its package
+    (which would import torch before the template counts its threads)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_wire = _load_by_path("_elastic_ddp_prestart_wire", os.path.join(_HERE, "wire.py"))
+_contract = _load_by_path("_elastic_ddp_contract", os.path.join(os.path.dirname(_HERE), "contract.py"))
 read_message, send_message = _wire.read_message, _wire.send_message
 
-ENV_SOCKET = "ELASTIC_DDP_PRESTART_SOCKET"  # elastic_ddp.prestart.ENV_SOCKET
 # What torchrun's agent sets for each worker (torch/distributed/elastic/agent/server/
 # local_elastic_agent.py and its log specs). A worker whose environment differs from the
 # template's in anything else starts as usual.
@@ -35,7 +44,7 @@ PER_WORKER = frozenset({
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED",
 })  # fmt: skip
-PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_DDP_")
+PER_WORKER_PREFIXES = ("TORCHELASTIC_", _contract.ENV_PREFIX)
 
 # What every worker imports first: the template serves once these are in. A job's first formation
 # waits for no more, as its workers would import the same from scratch.
@@ -58,11 +67,6 @@ PRELOAD_REST = (
 # With no fork and no request from the agent, the successor starts this long after the template
 # serves (the agent waits for its peers: the time is better spent importing).
 START_AFTER_S = 5.0
-# Written (empty) beside the socket once the rest is imported: the agent's sign of a warm template.
-WARM_SUFFIX = ".warm"
-# What ``ps -o comm`` shows for the template and its successor (a worker forked from either shows
-# ``edp-rank<N>``).
-TEMPLATE_NAME = "edp-template"
 # How often the loop looks for finished workers and for its agent when nothing else happens.
 POLL_S = 0.05
 PR_SET_PDEATHSIG = 1
@@ -108,7 +112,7 @@ def fork_hazard(allowed_threads: int = 1) -> str | None:
 def main(argv: list[str]) -> int:
     socket_path, agent = argv[0], int(argv[1])
     _die_with_parent()
-    _name_process(TEMPLATE_NAME)
+    _name_process(_contract.TEMPLATE_PROCESS_NAME)
     if os.getppid() != agent:
         return 0  # the agent is already gone
     try:
@@ -213,7 +217,7 @@ class _Successor:
         for name in PRELOAD_REST:
             _preload(name)
         hazard = fork_hazard(self._allowed)
-        with open(self._socket_path + WARM_SUFFIX, "w"):
+        with open(self._socket_path + _contract.WARM_SUFFIX, "w"):
             pass
         os.write(self._report_to, b"1")
         os.close(self._report_to)
@@ -232,7 +236,7 @@ def _initial_environment() -> dict[str, str]:
     except OSError:
         return dict(os.environ)
     pairs = (entry.decode(errors="surrogateescape").partition("=") for entry in entries if entry)
-    return {key: value for key, _, value in pairs if key != ENV_SOCKET}
+    return {key: value for key, _, value in pairs if key != _contract.ENV_PRESTART_SOCKET}
 
 
 def _name_process(name: str) -> None:
@@ -418,7 +422,7 @@ def _close_fds(fds: list[int]) -> None:
 def _run_worker(request: dict, fds: list[int]) -> int:
     """In the forked copy: become the worker the relay describes, run its script, return its status."""
     os.setsid()  # a session of its own, as torchrun gives each worker
-    _name_process(f"edp-rank{request['env'].get('RANK', '')}")
+    _name_process(f"{_contract.WORKER_PROCESS_NAME_PREFIX}{request['env'].get('RANK', '')}")
     streams, note_fd = fds[:3], fds[3]
     for target, fd in enumerate(streams):
         os.dup2(fd, target)

@@ -21,18 +21,18 @@ import shutil
 import socket
 import tempfile
 
+from elastic_ddp.contract import AGENT_DIR_PREFIX as PREFIX
+from elastic_ddp.contract import OWNER_FILE, PRESTART_SOCKET
 from elastic_ddp.processes import marks_a_live_process, process_mark
 
 __all__ = ["PREFIX", "agent_dir_parents", "create_agent_dir", "remove_dirs_of_gone_agents"]
 
 log = logging.getLogger(__name__)
 
-PREFIX = "elastic_ddp-agent-"
-_OWNER_FILE = "owner"
 # The longest path of a socket in an agent directory: <parent>/<PREFIX><8 random characters>/ and the
-# template's staging name, prestart.sock.<pid> (Linux pids have at most 7 digits); AF_UNIX's
+# template's staging name, PRESTART_SOCKET.<pid> (Linux pids have at most 7 digits); AF_UNIX's
 # sun_path holds 107 bytes and a NUL.
-_LONGEST_SOCKET = len(f"/{PREFIX}xxxxxxxx/prestart.sock.4194304")
+_LONGEST_SOCKET = len(f"/{PREFIX}xxxxxxxx/{PRESTART_SOCKET}.4194304")
 _MAX_SOCKET_PATH = 107
 _SHORT_PARENT = "/tmp"
 
@@ -64,9 +64,9 @@ def create_agent_dir() -> str:
         if mark is None:
             raise OSError(f"the start time of process {os.getpid()} is unknown (no /proc)")
         # Written beside and renamed into place: a sweep never reads half a mark as another's.
-        with open(os.path.join(path, f".{_OWNER_FILE}"), "w", encoding="utf-8") as file:
+        with open(os.path.join(path, f".{OWNER_FILE}"), "w", encoding="utf-8") as file:
             file.write(f"{_where()}\n{mark}")
-        os.replace(os.path.join(path, f".{_OWNER_FILE}"), os.path.join(path, _OWNER_FILE))
+        os.replace(os.path.join(path, f".{OWNER_FILE}"), os.path.join(path, OWNER_FILE))
     except OSError:
         shutil.rmtree(path, ignore_errors=True)
         raise
@@ -96,7 +96,7 @@ def remove_dirs_of_gone_agents(parent: str | None = None) -> int:
         try:
             if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
-            with open(os.path.join(entry.path, _OWNER_FILE), encoding="utf-8") as file:
+            with open(os.path.join(entry.path, OWNER_FILE), encoding="utf-8") as file:
                 where, _, mark = file.read().partition("\n")
         except (OSError, UnicodeDecodeError):
             continue

@@ -113,12 +113,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.prestart import ENV_SWITCH as ENV_PRESTART
+from elastic_ddp.contract import ENV_AGENT_PID, ENV_PRESTART, ENV_RDZV_ROUND, ENV_SETTINGS_ERROR_DIR
 from elastic_ddp.prestart import Template, without_shim
-from elastic_ddp.stop import (
-    ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, clear_restart_marks, read_settings_error, report_members_gone,
-    report_nodes_joining,
-)  # fmt: skip
+from elastic_ddp.stop import clear_restart_marks, read_settings_error, report_members_gone, report_nodes_joining
 from elastic_ddp.etcd import (
     Backoff, Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError,
     KeyValue, LeaseKeepAlive, Put, Range, TxnResult, WatchStream, prefix_end,
@@ -136,7 +133,6 @@ __all__ = ["ENV_RDZV_ROUND", "EtcdRendezvousHandler", "HandlerSettings", "Invali
 
 log = logging.getLogger(__name__)
 
-ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"  # also named in elastic_ddp.distributed
 _LOCAL_IDS = itertools.count()
 _LOCAL_IDS_LOCK = threading.Lock()
 # A waiting node re-reads the round record at least this often, in case its watch is stuck on a

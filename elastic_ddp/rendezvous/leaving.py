@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic_ddp.stop import LEAVING_SOCKET, MAX_LEAVING_MESSAGE
+from elastic_ddp.contract import LEAVING_SOCKET, MAX_LEAVING_MESSAGE
 
 __all__ = ["LeavingListener"]
 

@@ -44,6 +44,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousHandler, RendezvousParameters
 
+from elastic_ddp.contract import ENV_ETCD_PASSWORD as PASSWORD_ENV
+from elastic_ddp.contract import ENV_TORCH_ETCD as TORCH_ETCD_ENV
+
 if TYPE_CHECKING:  # pragma: no cover
     from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
     from elastic_ddp.etcd import EtcdClient
@@ -67,11 +70,6 @@ __all__ = [
     "etcd_v3_handler",
 ]
 
-PASSWORD_ENV = "ELASTIC_DDP_ETCD_PASSWORD"
-"""The etcd password (with rdzv_conf ``user``); never taken from rdzv_conf, which is visible in
-``ps`` output and logs."""
-TORCH_ETCD_ENV = "ELASTIC_DDP_TORCH_ETCD"
-"""``1``: ``--rdzv-backend=etcd`` stays torch's legacy v2 handler."""
 DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """torch's switch for its own handlers: ``1`` makes each rendezvous round host a new store on its
 rank-0 worker instead of one TCPStore on the first round's rank-0 agent (see

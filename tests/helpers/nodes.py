@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from elastic_ddp.contract import TEMPLATE_PROCESS_NAME, WORKER_PROCESS_NAME_PREFIX
+
 __all__ = ["Node", "descendants", "record_raises", "start_node", "wait_for"]
 
 _T = TypeVar("_T")
@@ -88,10 +90,10 @@ def worker_pids(agent: int) -> list[int]:
     the template's warm successor (elastic_ddp.prestart; torchrun sees their relays), or where there
     is none its direct children."""
     tree = descendants(agent)
-    templates = {p for p in tree if b"prestart/template.py" in cmdline(p) and comm(p) == "edp-template"}
+    templates = {p for p in tree if b"prestart/template.py" in cmdline(p) and comm(p) == TEMPLATE_PROCESS_NAME}
     if templates:
         # A fork becomes a worker as ``edp-rank<N>``; the successor's probe subprocesses are not workers.
-        return [p for p in tree if parent_pid(p) in templates and comm(p).startswith("edp-rank")]
+        return [p for p in tree if parent_pid(p) in templates and comm(p).startswith(WORKER_PROCESS_NAME_PREFIX)]
     return [p for p in tree if parent_pid(p) == agent]
 
 

@@ -1,19 +1,29 @@
 """The library's import graph: no circle between modules, and every import between its parts goes to
 a lower layer (docs/architecture.md, "Layers"). Read from the source with ``ast``, so an import
-inside a function counts as much as one at the top of a file."""
+inside a function counts as much as one at the top of a file.
+
+And the contract between its processes (``elastic_ddp/contract.py``): standard library only, below
+every other part, and the one place that spells each name that crosses a process boundary."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "elastic_ddp"
+ROOT = PACKAGE.parent
 
 # Lowest first. A part is a top-level module or package of elastic_ddp; the package's own
-# __init__ (lazy names for users) stands above them all.
+# __init__ (lazy names for users) stands above them all. The contract stands alone below them all:
+# every module may import it.
 LAYERS: list[set[str]] = [
+    {"contract"},
     {"config", "logs", "processes", "faults", "state", "etcd", "etcd_server", "ddp_buckets"},
     {"distributed", "stop", "prestart", "checkpoint"},
     {"data", "exiting", "failures", "lifecycle", "memory", "rendezvous"},
@@ -139,3 +149,91 @@ def test_the_graph_is_read_from_the_source():
     assert "elastic_ddp.resume" in GRAPH["elastic_ddp.run"]
     assert "elastic_ddp.etcd._etcd3" in GRAPH["elastic_ddp.etcd.client"]
     assert "elastic_ddp.checkpoint.manifest" in GRAPH["elastic_ddp.checkpoint.manager"]  # from package import module
+
+
+# Loaded by their paths, not imported, by the template and each worker's relay before anything else
+# (elastic_ddp/prestart/): an import of the package there would import torch first.
+LOADED_BY_PATH = ["contract.py", "prestart/wire.py", "prestart/shim/sitecustomize.py"]
+
+
+def _imported_top_level(tree: ast.AST) -> set[str]:
+    """The top-level names of the modules imported anywhere in ``tree`` ("." for a relative import)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." if node.level else (node.module or "").partition(".")[0])
+    return names - {"__future__"}
+
+
+@pytest.mark.parametrize("relative", LOADED_BY_PATH)
+def test_what_the_template_and_relay_load_by_path_imports_only_the_standard_library(relative):
+    imported = _imported_top_level(ast.parse((PACKAGE / relative).read_text()))
+    assert imported <= sys.stdlib_module_names, sorted(imported - sys.stdlib_module_names)
+
+
+def test_the_contract_imports_nothing_of_the_package_and_every_part_may_import_it():
+    assert GRAPH["elastic_ddp.contract"] == set()
+    assert LAYERS[0] == {"contract"}  # alone below every other part
+
+
+def test_the_template_imports_only_the_standard_library_before_it_counts_its_threads():
+    # Its module-level imports run before main() counts the threads numpy starts (template.fork_hazard);
+    # the package's modules it needs later are imported inside its functions.
+    tree = ast.parse((PACKAGE / "prestart" / "template.py").read_text())
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    top = _imported_top_level(ast.Module(body=imports, type_ignores=[]))
+    assert top <= sys.stdlib_module_names, sorted(top - sys.stdlib_module_names)
+
+
+def test_importing_the_contract_imports_neither_torch_nor_another_module_of_the_package():
+    code = (
+        "import sys, elastic_ddp.contract; "
+        "print(sorted(m for m in sys.modules if m.startswith(('torch', 'elastic_ddp.'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "['elastic_ddp.contract']"
+
+
+def _contract():
+    spec = importlib.util.spec_from_file_location("_contract_under_test", PACKAGE / "contract.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _code_strings(path: Path):
+    """(line, text) of every string constant in ``path`` but its documentation: docstrings and other
+    strings standing alone as statements."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            yield node.lineno, node.value
+
+
+def test_each_cross_process_name_is_spelled_only_in_the_contract():
+    # Python code only: deploy/'s manifests and shell scripts are the user's side, where the
+    # variables are set by name. Documentation (docstrings, docs/) and tests may name them.
+    contract = _contract()
+    defined = {name: value for name, value in vars(contract).items() if name.isupper()}
+    assert sorted(contract.__all__) == sorted(defined)
+    strings = [value for value in defined.values() if isinstance(value, str)]
+    assert len(strings) == len(set(strings)), "two names of the contract have the same value"
+    variables = {value for value in strings if value.startswith(contract.ENV_PREFIX) and value != contract.ENV_PREFIX}
+    names = set(strings) - variables  # file, socket and process names, and the prefix itself: whole strings
+    any_variable = re.compile(rf"\b{re.escape(contract.ENV_PREFIX)}[A-Z0-9_]+")
+    offenders = []
+    for root in (PACKAGE, ROOT / "recipes", ROOT / "deploy"):
+        for path in sorted(root.rglob("*.py")):
+            if path == PACKAGE / "contract.py":
+                continue
+            where = path.relative_to(ROOT)
+            for line, text in _code_strings(path):
+                for variable in any_variable.findall(text):
+                    new = "" if variable in variables else " (not in contract.py: define it there)"
+                    offenders.append(f"{where}:{line}: {variable}{new}")
+                if text in names:
+                    offenders.append(f"{where}:{line}: {text!r}")
+    assert not offenders, "import these from elastic_ddp.contract:\n" + "\n".join(offenders)

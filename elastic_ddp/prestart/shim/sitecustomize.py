@@ -4,10 +4,12 @@ On ``PYTHONPATH`` only in processes of an agent with this package's rendezvous h
 ``elastic_ddp/prestart/__init__.py``). Acts only in a direct child of that agent started as
 ``python [-u] SCRIPT ARGS`` while the template answers; otherwise it does nothing and Python goes on
 as usual. Acting, it becomes a relay: torchrun's signals go to the copy, and the copy's exit status
-is this process's. Standard library only (the wire format is loaded by its path, not imported as
-part of the package): a worker that starts as usual pays for nothing.
+is this process's. Standard library only (the names it shares with the agent and the template,
+``elastic_ddp/contract.py``, and the wire format are loaded by their paths, not imported as part of
+the package): a worker that starts as usual pays for nothing.
 """
 
+import importlib.util
 import os
 import sys
 import time
@@ -15,6 +17,18 @@ import time
 # How long a worker waits for a template that is still importing torch (a job's first formation
 # does not wait for it: the workers do, as they would for their own imports); then it starts as usual.
 TEMPLATE_START_WAIT_S = 60.0
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_by_path(name, path):
+    """The standard-library-only module at ``path``, executed as ``name`` without importing its package."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_contract = _load_by_path("_elastic_ddp_contract", os.path.join(_PACKAGE, "contract.py"))
 
 
 def _plain_script_command():
@@ -39,29 +53,24 @@ def _starting(pid):
 
 def _wait_for_template(path):
     """Wait while the template is alive and not yet serving (its socket absent)."""
-    pid = os.environ.get("ELASTIC_DDP_PRESTART_PID", "")
+    pid = os.environ.get(_contract.ENV_PRESTART_PID, "")
     deadline = time.monotonic() + TEMPLATE_START_WAIT_S
     while not os.path.exists(path) and pid.isdigit() and _starting(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
 
 
 def _relay():
-    path = os.environ.get("ELASTIC_DDP_PRESTART_SOCKET", "")
-    if not path or os.environ.get("ELASTIC_DDP_AGENT_PID", "") != str(os.getppid()):
+    path = os.environ.get(_contract.ENV_PRESTART_SOCKET, "")
+    if not path or os.environ.get(_contract.ENV_AGENT_PID, "") != str(os.getppid()):
         return
     command = _plain_script_command()
     if command is None:
         return
     _wait_for_template(path)
-    import importlib.util
     import signal
     import socket
 
-    spec = importlib.util.spec_from_file_location(
-        "_elastic_ddp_prestart_wire", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "wire.py")
-    )
-    wire = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(wire)
+    wire = _load_by_path("_elastic_ddp_prestart_wire", os.path.join(_PACKAGE, "prestart", "wire.py"))
     script, args, unbuffered = command
     # From before the request on: the copy may run (and torchrun signal) before the reply comes.
     # Every signal is kept: should the copy leave for a fresh start, this process gets them back.
@@ -138,8 +147,8 @@ def _relay_until_exit(conn, wire, child, pending, note):
         return afresh
     status = (reply or {}).get("status")
     if status is None:
-        # The template is gone; the copy leaves as an orphan, with elastic_ddp.stop.EXIT_ORPHANED.
-        os._exit(70)
+        # The template is gone; the copy leaves as an orphan, with the same status.
+        os._exit(_contract.EXIT_ORPHANED)
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
         if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those have no handler to reset
