@@ -66,12 +66,12 @@ full, closing at shutdown):
    registration (compare-and-delete on the key as read), which every member sees through its
    watch (1.): the agents restart their workers within a second of a node's death, whatever the
    workers' collectives do -- NCCL may wait for a dead peer until its own timeout. Before they
-   stop their workers, the agents leave a mark for them (:func:`elastic_ddp.stop.report_members_gone`):
+   stop their workers, the agents leave a mark for them (:func:`elastic_ddp.agent_marks.report_members_gone`):
    a rank waiting on a peer that is gone cannot reach a step boundary, so it leaves within a second
    instead of waiting out its stop grace (or torchrun's 30 s before SIGKILL).
 9. **A join costs no durable checkpoint.** When a new round opens while every member of this
    node's round stays, the agent marks that before it stops its workers
-   (:func:`elastic_ddp.stop.report_nodes_joining`): their stop only admits a node, so the
+   (:func:`elastic_ddp.agent_marks.report_nodes_joining`): their stop only admits a node, so the
    agreed step goes to node memory, which every old member keeps, instead of storage.
 10. **Workers start warm.** Before its first join the node starts its workers' template
     (:mod:`elastic_ddp.prestart`): every worker of every round is a fork of it. A node joining a
@@ -115,7 +115,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_ddp.contract import ENV_AGENT_PID, ENV_PRESTART, ENV_RDZV_ROUND, ENV_SETTINGS_ERROR_DIR
 from elastic_ddp.prestart import Template, without_shim
-from elastic_ddp.stop import clear_restart_marks, read_settings_error, report_members_gone, report_nodes_joining
+from elastic_ddp.agent_marks import clear_restart_marks, read_settings_error, report_members_gone, report_nodes_joining
 from elastic_ddp.etcd import (
     Backoff, Compare, DeleteRange, EtcdClient, EtcdCompactedError, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError,
     KeyValue, LeaseKeepAlive, Put, Range, TxnResult, WatchStream, prefix_end,

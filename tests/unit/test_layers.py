@@ -25,6 +25,7 @@ ROOT = PACKAGE.parent
 LAYERS: list[set[str]] = [
     {"contract"},
     {"config", "logs", "processes", "faults", "state", "etcd", "etcd_server", "ddp_buckets"},
+    {"agent_marks"},
     {"distributed", "stop", "prestart", "checkpoint"},
     {"data", "exiting", "failures", "lifecycle", "memory", "rendezvous"},
     {"metrics", "tensorboard_cli", "nn"},
@@ -99,6 +100,27 @@ def test_imports_between_parts_go_to_a_lower_layer():
         if _part(module) != _part(target) and _layer(_part(target)) >= _layer(_part(module))
     ]
     assert not upward, "\n".join(upward)
+
+
+# The processes: the torchrun agent's side (with the node's template) and the training worker's. The
+# agent imports nothing of the worker's (torch.distributed, the checkpoint and data code): what both
+# need is below both, in the contract and the agent directory's marks.
+AGENT_SIDE = {"rendezvous", "etcd", "prestart"}
+WORKER_SIDE = {
+    "run", "stop", "exiting", "lifecycle", "distributed", "data", "memory", "checkpoint", "step_metrics", "step_guard",
+    "resume", "metrics", "failures", "nn", "ddp_buckets",
+}  # fmt: skip
+
+
+def test_the_agent_side_never_imports_the_worker_side():
+    crossing = [
+        f"{module} imports {target}"
+        for module, targets in sorted(GRAPH.items())
+        if _part(module) in AGENT_SIDE
+        for target in sorted(targets)
+        if _part(target) in WORKER_SIDE
+    ]
+    assert not crossing, "\n".join(crossing)
 
 
 def test_no_import_circle_between_modules():
