@@ -76,6 +76,9 @@ def distribute(
             continue
         holder = holders[file.name]
         source = held.get(file.name) if holder == rank else None
+        if holder == rank and source is None:
+            # Sending anyway would broadcast an uninitialised buffer into every rank's state.
+            raise RuntimeError(f"Rank {rank} is to send checkpoint file {file.name}, but holds no read buffer of it.")
         batch: list[tuple[Any, int]] = []
 
         def flush() -> None:

@@ -139,6 +139,15 @@ def test_nothing_wanted_moves_nothing():
     assert distribute(index_of(), {}, {}, {}, 0, LOCAL) == 0
 
 
+def test_a_holder_without_its_read_buffer_is_an_error_not_uninitialised_bytes_sent():
+    tensors = sources()
+    held = {name: file_bytes(pieces, tensors) for name, pieces in FILES}
+    missing = FILES[0][0]
+    del held[missing]
+    with pytest.raises(RuntimeError, match=rf"Rank 0 is to send checkpoint file {missing}, but holds no read buffer"):
+        distribute(index_of(), {name: 0 for name, _ in FILES}, held, destinations(range(len(SPECS))), 0, LOCAL)
+
+
 # --- three ranks -----------------------------------------------------------------------------
 
 _RANKS = """
