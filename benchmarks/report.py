@@ -190,7 +190,8 @@ def merge(existing: str, machine: dict[str, Any], results: list[dict[str, Any]],
     ``order``; the summary counts every section again and the date spans the old runs and the new."""
     head, sections = _sections(existing)
     sections.update(_sections(render(machine, results))[1])
-    body = "".join(sections[name] for name in order if name in sections)
+    # One blank line between sections, whichever run rendered them (a section rendered last ends without one).
+    body = "\n".join(sections[name].rstrip("\n") + "\n" for name in order if name in sections)
     passed, missed = body.count("| pass |"), body.count("| **miss** |")
     head = _SUMMARY.sub(f"**Summary:** {passed} targets met, {missed} missed", head)
     dates = _DATE.search(head)
