@@ -262,8 +262,8 @@ def read_skipped(run_dir: str | os.PathLike) -> list[dict]:
     found: list[dict] = []
     for path in sorted((Path(run_dir) / LEDGER_DIR).glob("rank-*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
-            if line.startswith('{"skipped"'):
-                found = json.loads(line)["skipped"]
+            if '"skipped"' in line:  # parsed only where it may be one: a ledger holds a line per step and rank
+                found = json.loads(line).get("skipped", found)
     return found
 
 

@@ -22,6 +22,7 @@ place in a window from the window's own records (at most ``shuffle_window`` of t
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from collections import OrderedDict
@@ -170,8 +171,6 @@ def _save_local(path: str, data: bytes) -> None:
 
 
 def _npy_bytes(counts: np.ndarray) -> bytes:
-    import io
-
     sink = io.BytesIO()
     np.save(sink, np.ascontiguousarray(counts, dtype=np.int32))
     return sink.getvalue()
@@ -227,13 +226,19 @@ def local_units(where: str, meta: dict[str, Any]) -> str | None:
 
 
 def open_units(where: str, meta: dict[str, Any], data: bytes | None = None) -> RecordUnits:
-    """The counts of ``meta`` from this node's copy (written from ``data`` when given and missing)."""
+    """The counts of ``meta`` from this node's copy: written from ``data`` when given and missing, else
+    fetched from the index's store (:func:`local_units`)."""
     path = _local_copy(where, meta["digest"])
     if data is not None and not os.path.exists(path):
         _save_local(path, data)
+    if local_units(where, meta) is None:
+        raise ShardError(
+            f"The unit counts {meta['digest']} of the shard index {where} are neither on this node ({path}) nor in "
+            "the index's store. Delete the index's .units-* files to have them counted again."
+        )
     counts = np.load(path, mmap_mode="r")
     per_shard = np.asarray(meta["per_shard"], dtype=np.int64)
-    if counts.dtype != np.int32 or int(counts.shape[0]) < 0:
+    if counts.dtype != np.int32 or counts.ndim != 1:
         raise ValueError(f"{path} does not hold unit counts (int32); delete it to have them taken again.")
     return RecordUnits(counts, per_shard, meta["digest"], path, meta.get("skipped", []))
 

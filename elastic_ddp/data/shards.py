@@ -17,6 +17,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -238,14 +239,8 @@ class Shards:
         # at a start where some node lacks them.
         missing = torch.tensor([local_units(where, meta) is None], dtype=torch.int64)
         dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
-        data: list[Any] = [None]
-        if int(missing):
-            if dist.get_rank(group) == 0:
-                with open(local_units(where, meta), "rb") as file:
-                    data[0] = file.read()
-            dist.broadcast_object_list(data, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                                       group=group)  # fmt: skip
-        return open_units(where, meta, data[0])
+        data = self._from_rank0(group, lambda: Path(local_units(where, meta)).read_bytes()) if int(missing) else None
+        return open_units(where, meta, data)
 
     @property
     def index(self) -> ShardIndex:
@@ -387,12 +382,12 @@ class Shards:
         pieces = [self._unit_order.pieces(sample) for sample in samples]
         records = sorted({record for sample in pieces for record, _, _ in sample})
         by_record = dict(zip(records, self._records(records)))
-        out = []
+        counts, out = self._units.counts, []
         for sample in pieces:
             parts = []
             for record, lo, hi in sample:
                 held = by_record[record]
-                expected = int(self.units.counts[record])
+                expected = int(counts[record])
                 if held is _DROPPED or len(held) != expected:
                     self._changed_units(record, 0 if held is _DROPPED else len(held), expected)
                 parts.append(held[lo:hi])

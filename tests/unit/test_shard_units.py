@@ -239,3 +239,16 @@ def test_a_filter_that_keeps_nothing_is_refused_with_what_to_do(tmp_path):
     data = source(tmp_path, filter=lambda record: False)
     with pytest.raises(ValueError, match=r"holds 0 units an epoch .* nothing to train on"):
         data.order(BATCH, seed=SEED)
+
+
+def test_counts_stored_beside_a_remote_index_are_fetched_by_a_node_without_them(tmp_path, monkeypatch):
+    index_url = f"memory://units-{tmp_path.name}/index.json"  # an index store other than this node's disk
+    data = source(tmp_path, filter=odd, index_url=index_url)
+    kept = len(data)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "another-node"))
+    taken = []
+    real = shard_units_module.count_shards
+    monkeypatch.setattr(shard_units_module, "count_shards", lambda *a, **k: taken.append(1) or real(*a, **k))
+    again = Shards(data.urls, "jsonl", shards_in_flight=3, shuffle_window=12, filter=odd, index_url=index_url)
+    assert len(again) == kept and not taken
+    assert again.units.path.startswith(str(tmp_path / "another-node"))
