@@ -21,7 +21,7 @@ import uuid
 from datetime import datetime, timezone
 
 from benchmarks.common import Context, Result, alternate, ratios, row, summary
-from elastic_ddp.etcd_server import EtcdServer
+from elastic_ddp.tools.etcd_server import EtcdServer
 
 NAME = "contention"
 TITLE = "Rendezvous under contention: simultaneous joins by compare-and-set on one etcd key"

@@ -41,7 +41,7 @@ import json, sys, time
 import torch
 import safetensors.torch
 import torch.distributed.checkpoint
-from elastic_ddp.checkpoint import cli
+from elastic_ddp.tools import checkpoint as cli
 
 def status_mb(field):
     with open("/proc/self/status") as f:

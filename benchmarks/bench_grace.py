@@ -140,7 +140,7 @@ def _measure(ctx, endpoint: str, variant: str, shutdown_timeout: int | None, rep
 def run(ctx):
     from benchmarks.common import Result, Target, row
     from elastic_ddp.config import CheckpointConfig
-    from elastic_ddp.etcd_server import EtcdServer
+    from elastic_ddp.tools.etcd_server import EtcdServer
     import torch
 
     given = 5 if ctx.smoke else 45

@@ -15,7 +15,7 @@ import time
 
 from benchmarks.common import Context, Result, Target, alternate, row
 from benchmarks.workers.rdzv_agents import AgentSpec, etcd_metrics, join_outcome, process_cpu_s, simulate
-from elastic_ddp.etcd_server import EtcdServer
+from elastic_ddp.tools.etcd_server import EtcdServer
 
 NAME = "rdzv_idle"
 TITLE = "Rendezvous idle cost: etcd writes and database growth while N agents sit in a completed round"

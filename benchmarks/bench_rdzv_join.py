@@ -20,7 +20,7 @@ import time
 
 from benchmarks.common import Context, Result, Target, alternate, ratios, row
 from benchmarks.workers.rdzv_agents import AgentSpec, etcd_metrics, join_outcome, process_cpu_s, simulate
-from elastic_ddp.etcd_server import EtcdServer, free_port
+from elastic_ddp.tools.etcd_server import EtcdServer, free_port
 
 NAME = "rdzv_join"
 TITLE = "Rendezvous at scale: N agents joining at once, per-node etcd handler vs the blob handler vs c10d"

@@ -54,7 +54,7 @@ from benchmarks.common import (
     step_stamps, summary, torchrun,
 )  # fmt: skip
 from benchmarks.loops import PLAIN_LOOP, TINY, recipe_flags
-from elastic_ddp.etcd_server import EtcdServer, free_port
+from elastic_ddp.tools.etcd_server import EtcdServer, free_port
 from elastic_ddp.contract import AGENT_DIR_PREFIX, ENV_CHECKPOINT_KEY, WARM_SUFFIX
 
 NAME = "recovery"
@@ -70,7 +70,7 @@ PHASES = (
     ("resume", re.compile(r"Resumed from|Restored from")),
     ("first step", re.compile(r"\[rank0\] step=\d+/\d+ .*world_size=1\b")),
 )
-# The worker's own account of its start (elastic_ddp.distributed.init_distributed).
+# The worker's own account of its start (elastic_ddp.worker.distributed.init_distributed).
 WORKER_READY = re.compile(r"ready ([\d.]+) s after its process started \(process group ([\d.]+) s\)")
 MAX_STEPS = 1_000_000  # killed long before
 # Steps the survivor trains alone before a new node joins it.

@@ -15,7 +15,7 @@ import re
 import uuid
 
 from benchmarks.common import WORKERS, Context, Result, Target, TimedProcess, alternate, child_env, ratios, row, torchrun
-from elastic_ddp.etcd_server import EtcdServer, free_port
+from elastic_ddp.tools.etcd_server import EtcdServer, free_port
 
 NAME = "rendezvous"
 TITLE = "Rendezvous: time to form a group, etcd-v3 vs torch c10d vs torch etcd-v2"

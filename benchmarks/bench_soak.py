@@ -44,7 +44,7 @@ from benchmarks.loops import TINY
 from elastic_ddp.checkpoint.manager import list_checkpoints, verify_checkpoint
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.data import exactly_once_problems, read_ledger
-from elastic_ddp.etcd_server import EtcdCluster
+from elastic_ddp.tools.etcd_server import EtcdCluster
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # the LM recipe's recipes/lm/, as `lm`
 from lm import ByteWindows, CorpusConfig, load_corpus  # noqa: E402
 

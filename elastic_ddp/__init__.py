@@ -45,10 +45,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "launch": "elastic_ddp.run",
-    "Run": "elastic_ddp.run",
-    "RunError": "elastic_ddp.run",
-    "Step": "elastic_ddp.run",
+    "launch": "elastic_ddp.worker.launch",
+    "Run": "elastic_ddp.worker.run",
+    "RunError": "elastic_ddp.worker.run",
+    "Step": "elastic_ddp.worker.step",
     "IDENTITY": "elastic_ddp.config",
     "CheckpointConfig": "elastic_ddp.config",
     "Config": "elastic_ddp.config",
@@ -59,7 +59,7 @@ _LAZY = {
     "Section": "elastic_ddp.config",
     "TrainConfig": "elastic_ddp.config",
     "load_config": "elastic_ddp.config",
-    "SampleDropout": "elastic_ddp.nn",
+    "SampleDropout": "elastic_ddp.worker.nn",
     "derive_seed": "elastic_ddp.data.seeds",
     "Shards": "elastic_ddp.data.shards",
     "ShardError": "elastic_ddp.data.shard_formats",

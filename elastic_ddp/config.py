@@ -515,7 +515,7 @@ class DistConfig(Section):
         description=(
             "Reduce every step's gradients in one DDP bucket layout, the first step of each attempt included, so "
             "that a resume at the same world size stays bitwise identical at 3 ranks and more (see "
-            "elastic_ddp/ddp_buckets.py). It is a DDP communication hook: turn it off to register your own "
+            "elastic_ddp/worker/ddp_buckets.py). It is a DDP communication hook: turn it off to register your own "
             "(ddp_model.register_comm_hook) after run.setup()."
         ),
     )

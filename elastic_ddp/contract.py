@@ -1,9 +1,9 @@
 """What crosses a process boundary: the names and values one kind of process sets and another reads.
 
 The kinds: the user's shell (and deploy/'s scripts), the torchrun agent with this package's
-rendezvous handler (``rendezvous/``, ``prestart/__init__.py``, the agent's half of ``stop.py``), the
-node's warm-start template and each worker's relay (``prestart/template.py`` and
-``prestart/shim/sitecustomize.py``), and the training worker (``run.py`` and what it imports).
+rendezvous handler (``rendezvous/``, ``prestart/__init__.py``, ``agent_marks.py``), the node's
+warm-start template and each worker's relay (``prestart/template.py`` and
+``prestart/shim/sitecustomize.py``), and the training worker (``worker/`` and what it imports).
 Each name is defined here once; every module that writes or reads it imports it from here.
 
 Standard library only, and no import of this package: the template and the relay load this file by
@@ -54,7 +54,7 @@ ENV_CHECKPOINT_KEY = "ELASTIC_DDP_CHECKPOINT_KEY"
 ENV_ETCD_PASSWORD = "ELASTIC_DDP_ETCD_PASSWORD"
 # "1": ``--rdzv-backend=etcd`` stays torch's legacy v2 handler. Read by the agent (rendezvous/plugin.py).
 ENV_TORCH_ETCD = "ELASTIC_DDP_TORCH_ETCD"
-# The etcd executable to run. Read by ``elastic-ddp etcd`` and the tests (etcd_server.py).
+# The etcd executable to run. Read by ``elastic-ddp etcd`` and the tests (tools/etcd_server.py).
 ENV_ETCD_BINARY = "ELASTIC_DDP_ETCD_BINARY"
 # The logging level. Read by every process of the package that logs: agent and worker (logs.py).
 ENV_LOG_LEVEL = "ELASTIC_DDP_LOG_LEVEL"

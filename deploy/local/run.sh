@@ -34,7 +34,7 @@ trap cleanup EXIT INT TERM
 # Each launch is a new job: etcd holds only the rendezvous, which a finished job closed (a launch
 # after one that ran to the end would otherwise be refused); checkpoints live elsewhere.
 rm -rf "$run_dir/etcd"
-"$python" -m elastic_ddp.cli etcd --data-dir "$run_dir/etcd" --port "$port" --peer-port 0 > "$run_dir/etcd.log" 2>&1 &
+"$python" -m elastic_ddp.tools.cli etcd --data-dir "$run_dir/etcd" --port "$port" --peer-port 0 > "$run_dir/etcd.log" 2>&1 &
 etcd_pid=$!
 "$python" - "$port" <<'PY'
 import socket, sys, time

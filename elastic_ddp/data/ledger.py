@@ -2,7 +2,7 @@
 
 With ``data.ledger`` on, each rank appends two JSON lines per optimizer step to
 ``<run dir>/ledger/rank-<R>.jsonl``: the samples as the step starts, the loss once it completed.
-Every worker start first writes a header naming its attempt (:func:`elastic_ddp.distributed.attempt_id`:
+Every worker start first writes a header naming its attempt (:func:`elastic_ddp.worker.distributed.attempt_id`:
 the same on every rank of one worker group, whichever node it runs on), the step it resumed from
 and the world size. Lines are flushed as they are written, so a node killed with SIGKILL leaves
 every step it started on record -- also one whose update the others completed without it (it died
@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from elastic_ddp.distributed import ENV_RESTART_COUNT, attempt_id
+from elastic_ddp.worker.distributed import ENV_RESTART_COUNT, attempt_id
 
 __all__ = ["LedgerStep", "StepLedger", "exactly_once_problems", "read_ledger", "read_skipped"]
 

@@ -179,7 +179,7 @@ class MicroBatch:
 
         The same on whichever rank and in whichever micro-batch a sample lands, and again when a
         resumed job replays the step: what per-sample randomness (e.g.
-        :class:`~elastic_ddp.nn.SampleDropout`) needs to be independent of the world size.
+        :class:`~elastic_ddp.worker.nn.SampleDropout`) needs to be independent of the world size.
         """
         if not self._seeds:
             self._seeds.extend(sample_seeds(self.seed, self.step, self.indices))

@@ -2,7 +2,7 @@
 
 Each rank measures its steps (without a save's stall), the cost of its saves and its background
 writes (:class:`IntervalController`), and reports the medians of the recent ones (:class:`Report`).
-The reports ride on the per-step stop agreement (:class:`elastic_ddp.stop.StopAgreement`: an
+The reports ride on the per-step stop agreement (:class:`elastic_ddp.worker.stop.StopAgreement`: an
 all-reduce with ``MAX`` that runs after every step anyway, and the only per-step collective), so every
 rank gets the largest of each at the same step and computes the same interval from it
 (:func:`elastic_ddp.memory.policy.interval`): every rank saves the same steps without a collective of

@@ -12,7 +12,7 @@
 
 The one per-step collective is not the tier's: each rank's :meth:`MemoryTier.report`
 (:class:`~elastic_ddp.memory.interval.Report`, ``REPORT_SIZE`` numbers) rides on the per-step stop
-agreement (:class:`elastic_ddp.stop.StopAgreement`), and the caller hands the agreed maxima back to
+agreement (:class:`elastic_ddp.worker.stop.StopAgreement`), and the caller hands the agreed maxima back to
 :meth:`MemoryTier.after_step`, so every rank saves the same steps without another collective.
 """
 
@@ -213,7 +213,7 @@ class MemoryTier:
         committed (by an earlier save or now), else why not.
 
         The caller vouches that ``state`` is exactly that after ``step`` (see
-        :class:`elastic_ddp.step_guard.StepGuard`) and names the objects that change alike on every
+        :class:`elastic_ddp.worker.step_guard.StepGuard`) and names the objects that change alike on every
         rank by construction (``lockstep``, see :meth:`.saver.SplitCheck.unchanged`). The node holds the step complete when every local
         rank kept it; a node where one did not keeps its previous states as they were.
         """

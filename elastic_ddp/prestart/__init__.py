@@ -34,7 +34,7 @@ itself), torch's thread count from ``OMP_NUM_THREADS``.
 
 The copy is a child of the template, not of torchrun: the relay passes torchrun's signals on, the
 template kills the copy if its relay dies (torchrun's SIGKILL), and dies with the agent
-(``PR_SET_PDEATHSIG``), after which its copies leave as orphans (:func:`elastic_ddp.stop.exit_when_orphaned`).
+(``PR_SET_PDEATHSIG``), after which its copies leave as orphans (:func:`elastic_ddp.worker.stop.exit_when_orphaned`).
 ``ELASTIC_DDP_PRESTART=0`` in the agent's environment turns all of this off.
 """
 

@@ -55,7 +55,7 @@ PRELOAD_FIRST = ("torch",)
 # forked on any node and every rank's first step waits for it: its import (0.22 s here, most of it
 # boto3, which tensorboard's file layer pulls in) costs each successor 12 MB.
 PRELOAD_REST = (
-    "torch._dynamo", "torch.distributed.checkpoint.state_dict", "elastic_ddp.run", "elastic_ddp.checkpoint",
+    "torch._dynamo", "torch.distributed.checkpoint.state_dict", "elastic_ddp.worker.launch", "elastic_ddp.checkpoint",
     "torch.utils.tensorboard",
     # What torch.compile(model) imports (inductor's compiler, 0.6 s and 44 MB here): 0.6 s of every
     # compiled model's worker start otherwise, and its pages are shared with every fork.

@@ -41,7 +41,7 @@ full, closing at shutdown):
 5. **Invalid settings end the job on every node, spending no restart.** The handler gives its
    agent's workers a directory of its own (``ELASTIC_DDP_SETTINGS_ERROR_DIR``, with the agent's
    pid); a worker whose settings are invalid writes the message there and waits to be stopped
-   (:func:`elastic_ddp.run.launch`). ``num_nodes_waiting()`` finds it (one ``open`` of a missing
+   (:func:`elastic_ddp.worker.launch.launch`). ``num_nodes_waiting()`` finds it (one ``open`` of a missing
    file per call otherwise) and asks for a new round -- torch's agent restarts a healthy group
    for that without counting a restart, while a worker that had exited would cost one -- and
    ``next_rendezvous()`` then closes the rendezvous with the message as its reason (one
@@ -423,7 +423,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return 0
         if record is None or record.round > self._joined:
             if record is not None and not self._view.gone():
-                # Every member stays: the workers stop only to take a node in (elastic_ddp.stop).
+                # Every member stays: the workers stop only to take a node in (elastic_ddp.worker.stop).
                 report_nodes_joining(self._settings_error_dir, f"round {record.round} was opened after round {self._joined}")
             self._report(("new round", None if record is None else record.round),
                          "A node is waiting to join the rendezvous '%s' (round %s opened after round %d); restarting "

@@ -1,6 +1,6 @@
 """ByteGPT: a small nanoGPT-like causal transformer over the 256 byte values.
 
-Its one unusual part is dropout: :class:`~elastic_ddp.nn.SampleDropout` builds each sample's mask
+Its one unusual part is dropout: :class:`~elastic_ddp.worker.nn.SampleDropout` builds each sample's mask
 from that sample's own seed, so the same step computes the same gradient at any world size,
 micro-batch size or after any resume (plain ``nn.Dropout`` gives that only at the same world size).
 """
@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from elastic_ddp.config import Section
-from elastic_ddp.nn import SampleDropout
+from elastic_ddp.worker.nn import SampleDropout
 
 __all__ = ["ByteGPT", "ByteGPTConfig", "optimizer_groups", "warmup_cosine"]
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from tests.helpers.job import Job, report, resumed_steps, steps
 
 pytestmark = pytest.mark.slow
@@ -234,7 +234,7 @@ def test_a_dead_node_whose_workers_hang_in_a_collective_is_noticed_in_moments_no
 @pytest.fixture
 def own_etcd(tmp_path):
     """An etcd of this test alone (it is stopped and killed on purpose)."""
-    from elastic_ddp.etcd_server import EtcdServer
+    from elastic_ddp.tools.etcd_server import EtcdServer
 
     server = EtcdServer(tmp_path / "own-etcd")
     server.start(timeout=30)
@@ -267,7 +267,7 @@ def test_training_goes_on_through_a_30_s_etcd_outage_and_membership_changes_afte
 
 
 def test_rendezvous_continues_through_a_3_member_etcd_cluster_with_one_member_killed(job, tmp_path):
-    from elastic_ddp.etcd_server import EtcdCluster
+    from elastic_ddp.tools.etcd_server import EtcdCluster
 
     cluster = EtcdCluster(tmp_path / "cluster", n=3).start()
     try:
@@ -301,7 +301,7 @@ def _leader(cluster) -> int:
 
 
 def test_an_etcd_leader_election_during_training_drops_no_node_and_restarts_no_worker(job, tmp_path):
-    from elastic_ddp.etcd_server import EtcdCluster
+    from elastic_ddp.tools.etcd_server import EtcdCluster
     from elastic_ddp.rendezvous.plugin import DEFAULT_KEEP_ALIVE_INTERVAL, DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
 
     ttl = DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
@@ -424,7 +424,7 @@ def link():
 def test_partitioned_node_is_replaced_and_cannot_commit_as_a_stale_writer(job, link, tmp_path):
     """Node B is cut off, not killed, with a save of step 10 gathered but not yet committed and its
     training thread stuck (so nothing makes it exit). A recovers alone; B's late commit is fenced."""
-    from elastic_ddp.etcd_server import EtcdServer
+    from elastic_ddp.tools.etcd_server import EtcdServer
 
     every, timeout_s = 10, 10
     etcd = EtcdServer(tmp_path / "etcd-on-link", host=link.addr_a)

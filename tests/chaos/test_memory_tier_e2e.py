@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.checkpoint.manager import list_checkpoints
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.data import read_ledger

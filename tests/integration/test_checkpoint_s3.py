@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from elastic_ddp.checkpoint import CheckpointManager
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.config import CheckpointConfig
 from elastic_ddp.state import ModelState, OptimizerState
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from elastic_ddp.checkpoint import CheckpointManager
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.config import CheckpointConfig
 from elastic_ddp.faults import ENV_FAULT
 from elastic_ddp.state import ModelState, OptimizerState

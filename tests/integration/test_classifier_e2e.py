@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.data import read_ledger
 from tests.helpers.job import CLASSIFIER, Job, one_node_job, resumed_steps
 

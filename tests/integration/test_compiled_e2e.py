@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.data import read_ledger
 from tests.helpers.job import RECIPE, REPO, TINY, Job, env
 from tests.integration.test_ordinary_model_e2e import assert_same_state, final_state

@@ -1,4 +1,4 @@
-"""elastic_ddp.ddp_buckets: a resume at the same world size is bitwise identical at 3 and 4 ranks.
+"""elastic_ddp.worker.ddp_buckets: a resume at the same world size is bitwise identical at 3 and 4 ranks.
 
 The torchrun tests run tests/workers/ddp_buckets_worker.py once per world size (gloo, CPU): every
 case trains N steps uninterrupted and N/2 + N/2 steps with a new DDP instance in between, over a
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_ddp.ddp_buckets import NOT_BITWISE, stabilize_buckets
+from elastic_ddp.worker.ddp_buckets import NOT_BITWISE, stabilize_buckets
 from tests.helpers.job import env
 from tests.helpers.nodes import start_node
 

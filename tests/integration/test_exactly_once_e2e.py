@@ -34,7 +34,7 @@ import pytest
 import torch
 from lm import ByteWindows, CorpusConfig, load_corpus
 
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.data import DataCursor, ElasticSampler, LedgerStep, exactly_once_problems, read_ledger
 from tests.helpers.data import data_order
 from tests.helpers.job import Job, one_node_job, resumed_steps, steps

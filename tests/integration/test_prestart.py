@@ -22,7 +22,7 @@ import pytest
 
 from elastic_ddp.prestart import ENV_SWITCH, Template
 from elastic_ddp.prestart.template import PRELOAD_REST
-from elastic_ddp.stop import ENV_AGENT_PID
+from elastic_ddp.worker.stop import ENV_AGENT_PID
 from tests.helpers.job import Job
 from tests.helpers.nodes import cmdline, descendants, parent_pid, wait_for, worker_pids
 

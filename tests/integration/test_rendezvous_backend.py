@@ -8,7 +8,7 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 
-from elastic_ddp.etcd_server import free_port
+from elastic_ddp.tools.etcd_server import free_port
 from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
 from elastic_ddp.etcd import EtcdClient
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from elastic_ddp.etcd_server import EtcdServer
+from elastic_ddp.tools.etcd_server import EtcdServer
 from elastic_ddp.etcd import (
     EtcdClient, EtcdCompactedError, LeaseKeepAlive, Range, WatchEvent, WatchStream, parse_endpoints,
 )  # fmt: skip

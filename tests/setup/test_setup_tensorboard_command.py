@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.etcd_server import free_port
+from elastic_ddp.tools.etcd_server import free_port
 from tests.helpers.nodes import descendants, wait_for
 
 # A stand-in for TensorBoard that ignores SIGTERM, SIGINT and SIGHUP: only SIGKILL stops it.
@@ -67,7 +67,7 @@ def test_sigterm_stops_the_real_tensorboard_it_started(tmp_path, processes):
     started, extra_pids = processes
     port = free_port()
     command = subprocess.Popen(
-        [sys.executable, "-m", "elastic_ddp.cli", "tensorboard", "--runs", str(tmp_path), "--port", str(port)],
+        [sys.executable, "-m", "elastic_ddp.tools.cli", "tensorboard", "--runs", str(tmp_path), "--port", str(port)],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     started.append(command)
@@ -90,7 +90,7 @@ def test_a_child_that_ignores_the_signal_is_killed(tmp_path, processes, signum):
     # The command's own parser and function, with the child swapped for one that ignores signals.
     code = (
         "import argparse, sys\n"
-        "from elastic_ddp import tensorboard_cli as metrics\n"
+        "from elastic_ddp.tools import tensorboard as metrics\n"
         "metrics._TENSORBOARD_STOP_S = 1.0\n"
         f"metrics.tensorboard_command = lambda args: [sys.executable, '-c', {STUBBORN_CHILD!r}]\n"
         "parser = argparse.ArgumentParser()\n"

@@ -31,7 +31,7 @@ from elastic_ddp.checkpoint.manager import list_checkpoints
 from elastic_ddp.checkpoint.manifest import MANIFEST_NAME, check_signature
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.data import read_ledger
-from elastic_ddp.etcd_server import EtcdServer
+from elastic_ddp.tools.etcd_server import EtcdServer
 from tests.fixtures.s3 import MotoServer
 from tests.helpers.job import RESUMED_LINE, TINY, steps
 from tests.helpers.nodes import wait_for

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.checkpoint import export as ex
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.catalog import read_checkpoint, read_index

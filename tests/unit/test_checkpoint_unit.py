@@ -22,7 +22,7 @@ from elastic_ddp.checkpoint import (
     StaleWriterError,
     retention_plan,
 )
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.staging import ShareStager
 from elastic_ddp.faults import ENV_FAULT
@@ -408,7 +408,7 @@ def test_elastic_ddp_ckpt_commands_run_through_the_top_level_cli(tmp_path) -> No
 
     model, opt = tiny()
     save_steps(manager(str(tmp_path / "c")), model, opt, [4])
-    run = [sys.executable, "-m", "elastic_ddp.cli", "ckpt"]
+    run = [sys.executable, "-m", "elastic_ddp.tools.cli", "ckpt"]
     listed = subprocess.run([*run, "list", str(tmp_path / "c"), "--json"], capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0, listed.stderr
     url = json.loads(listed.stdout)[0]["url"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from elastic_ddp.checkpoint import cli as ckpt_cli
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.checkpoint import pretrained as pt
 from elastic_ddp.state import ModelState, OptimizerState, as_stateful, unwrap_model
 from tests.helpers.checkpoint import assert_same, clone_state, manager, objects, tiny

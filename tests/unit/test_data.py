@@ -32,7 +32,7 @@ from elastic_ddp.data import (
     sample_seeds,
     to_device,
 )
-from elastic_ddp.nn import SampleDropout
+from elastic_ddp.worker.nn import SampleDropout
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

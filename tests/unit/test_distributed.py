@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from elastic_ddp.distributed import (
+from elastic_ddp.worker.distributed import (
     ENV_GLOO_SOCKET_IFNAME,
     ENV_GROUP_WORLD_SIZE,
     ENV_MASTER_ADDR,
@@ -105,7 +105,7 @@ def test_prefixes_are_matched_against_this_hosts_own_interfaces():
 _ONE_RANK = """
 import os
 from elastic_ddp.config import DistConfig
-from elastic_ddp.distributed import init_distributed, new_gloo_group, shutdown_distributed
+from elastic_ddp.worker.distributed import init_distributed, new_gloo_group, shutdown_distributed
 ctx = init_distributed(DistConfig(backend="gloo"))
 print(ctx.rank, ctx.world_size, ctx.device, ctx.backend, os.environ["GLOO_SOCKET_IFNAME"], new_gloo_group(10.0))
 shutdown_distributed()

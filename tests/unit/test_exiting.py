@@ -19,7 +19,7 @@ def test_leaving_without_teardown_joins_threads_runs_atexit_and_completes_open_f
     script = textwrap.dedent(f"""
         import atexit, gzip, threading, time, sys
         import torch  # the teardown being skipped is torch's
-        from elastic_ddp.exiting import exit_without_teardown, prepare_exit
+        from elastic_ddp.worker.exiting import exit_without_teardown, prepare_exit
 
         root = {str(tmp_path)!r}
         text = open(root + "/text.txt", "w"); text.write("text left open")
@@ -65,7 +65,7 @@ def test_a_live_thread_pool_ends_at_the_exit_as_at_pythons_own(tmp_path):
     # user's uploader, the memory tier's hashing pool on GPU nodes).
     done = _leave(f"""
         import atexit, concurrent.futures
-        from elastic_ddp.exiting import exit_without_teardown
+        from elastic_ddp.worker.exiting import exit_without_teardown
 
         pool = concurrent.futures.ThreadPoolExecutor(4)
         assert pool.submit(lambda: 6 * 7).result() == 42
@@ -81,7 +81,7 @@ def test_a_live_thread_pool_ends_at_the_exit_as_at_pythons_own(tmp_path):
 def test_the_hooks_run_newest_first_before_the_threads_are_joined_and_atexit_after(tmp_path):
     done = _leave("""
         import atexit, threading
-        from elastic_ddp.exiting import exit_without_teardown
+        from elastic_ddp.worker.exiting import exit_without_teardown
 
         order = []
         release = threading.Event()
@@ -100,7 +100,7 @@ def test_the_hooks_run_newest_first_before_the_threads_are_joined_and_atexit_aft
 def test_a_thread_that_never_ends_is_named_with_its_stack_and_the_exit_keeps_the_runs_status(tmp_path):
     done = _leave("""
         import atexit, threading, time
-        from elastic_ddp.exiting import exit_without_teardown
+        from elastic_ddp.worker.exiting import exit_without_teardown
 
         def upload_forever():
             while True:

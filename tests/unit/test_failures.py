@@ -9,14 +9,14 @@ import logging
 
 import pytest
 
-from elastic_ddp.distributed import (
+from elastic_ddp.worker.distributed import (
     ENV_GROUP_WORLD_SIZE,
     ENV_MASTER_ADDR,
     ENV_MASTER_PORT,
     ENV_RDZV_ROUND,
     ENV_RESTART_COUNT,
 )
-from elastic_ddp.failures import FAILURES_FILE, FailureReport, RecurringFailureError
+from elastic_ddp.worker.failures import FAILURES_FILE, FailureReport, RecurringFailureError
 
 MAX_RESTARTS = 3
 ERROR = "RuntimeError: Connection closed by peer [10.0.0.2]:41234"

@@ -19,7 +19,7 @@ import pytest
 
 import elastic_ddp.data.ledger as ledger_module
 from elastic_ddp.data import LedgerStep, StepLedger, exactly_once_problems, rank_slice, read_ledger
-from elastic_ddp.distributed import (
+from elastic_ddp.worker.distributed import (
     ENV_GROUP_WORLD_SIZE,
     ENV_MASTER_ADDR,
     ENV_MASTER_PORT,

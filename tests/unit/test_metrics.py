@@ -1,4 +1,4 @@
-"""Tests of elastic_ddp.metrics: continuity across restarts, read back with TensorBoard itself."""
+"""Tests of elastic_ddp.worker.metrics: continuity across restarts, read back with TensorBoard itself."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util import tensor_util
 
 from elastic_ddp.config import Config, ConfigError, LoggingConfig
-from elastic_ddp.metrics import (
+from elastic_ddp.worker.metrics import (
     ENDED_EXIT_AT_STEP,
     ENDED_FINISHED,
     ENDED_MEMBERSHIP,
@@ -36,7 +36,7 @@ from elastic_ddp.metrics import (
     create_metrics,
     summary_line,
 )
-from elastic_ddp.tensorboard_cli import add_parser, tensorboard_command
+from elastic_ddp.tools.tensorboard import add_parser, tensorboard_command
 
 
 class FakeClock:
@@ -336,7 +336,7 @@ def test_an_exception_leaving_the_process_still_flushes_the_events(tmp_path):
     # flush_s is far beyond the process's life: only the atexit close can write the points.
     script = f"""
 from elastic_ddp.config import LoggingConfig
-from elastic_ddp.metrics import create_metrics
+from elastic_ddp.worker.metrics import create_metrics
 metrics = create_metrics(
     LoggingConfig(tensorboard_dir={str(tmp_path / "tb")!r}, flush_s=3600, console=False),
     rank=0, run_dir={str(tmp_path / "run")!r}, resume_step=None, world_size=1,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from elastic_ddp.data import sample_seeds
-from elastic_ddp.nn import SampleDropout
+from elastic_ddp.worker.nn import SampleDropout
 
 
 def test_sample_dropout_mask_follows_the_sample_not_the_batch():

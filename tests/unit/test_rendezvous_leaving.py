@@ -9,7 +9,7 @@ import pytest
 
 from elastic_ddp.processes import agent_pid
 from elastic_ddp.rendezvous.leaving import LeavingListener
-from elastic_ddp.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, LEAVING_SOCKET, report_leaving
+from elastic_ddp.worker.stop import ENV_AGENT_PID, ENV_SETTINGS_ERROR_DIR, LEAVING_SOCKET, report_leaving
 
 
 def test_reports_reach_the_agent_until_it_stops_listening(tmp_path, monkeypatch):

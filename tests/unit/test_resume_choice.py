@@ -1,11 +1,11 @@
-"""elastic_ddp.resume.decide: where an automatic resume goes next, from plain values only."""
+"""elastic_ddp.worker.resume.decide: where an automatic resume goes next, from plain values only."""
 
 from __future__ import annotations
 
 import pytest
 
 from elastic_ddp.memory.policy import Candidate
-from elastic_ddp.resume import AUTO, DURABLE, FRESH, MEMORY, NAMED, NEVER, VERIFY, Decision, decide, mode
+from elastic_ddp.worker.resume import AUTO, DURABLE, FRESH, MEMORY, NAMED, NEVER, VERIFY, Decision, decide, mode
 
 
 def follow(memory, listed, *, verifies=lambda step: step, reads=lambda node: True):

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from elastic_ddp.data import ORDER_VERSION, DataCursor, ElasticSampler, make_step_batch, sample_seeds
-from elastic_ddp.run import DataState, RunError, Step, seed_everything
+from elastic_ddp.worker.run import RunError, seed_everything
+from elastic_ddp.worker.step import DataState, Step
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

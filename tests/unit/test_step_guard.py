@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from elastic_ddp.state import as_stateful
-from elastic_ddp.step_guard import StepGuard
+from elastic_ddp.worker.step_guard import StepGuard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

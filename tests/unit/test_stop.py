@@ -17,8 +17,8 @@ import types
 
 import pytest
 
-from elastic_ddp.etcd_server import free_port
-from elastic_ddp.stop import (
+from elastic_ddp.tools.etcd_server import free_port
+from elastic_ddp.worker.stop import (
     ENV_AGENT_PID,
     ENV_SETTINGS_ERROR_DIR,
     EXIT_NOT_RESTARTED,
@@ -60,7 +60,7 @@ def stop_signal():
 
 
 def test_a_second_and_third_sigterm_while_stopping_are_logged_and_ignored(stop_signal, caplog):
-    caplog.set_level(logging.WARNING, logger="elastic_ddp.stop")
+    caplog.set_level(logging.WARNING, logger="elastic_ddp.worker.stop")
     assert not stop_signal.requested
     # On Linux a signal a process sends itself is handled before os.kill returns.
     os.kill(os.getpid(), signal.SIGTERM)
@@ -95,7 +95,7 @@ def test_restore_puts_back_the_previous_handlers_and_wakeup_fd_and_ends_its_thre
 def test_a_stop_that_does_not_finish_within_the_grace_period_exits_with_its_own_status():
     result = python("""
         import logging, os, signal, threading
-        from elastic_ddp.stop import StopSignal
+        from elastic_ddp.worker.stop import StopSignal
         logging.basicConfig(level=logging.INFO)
         stop = StopSignal(grace_s=0.2)
         stop.steps_started()
@@ -118,7 +118,7 @@ def test_a_stop_that_does_not_finish_within_the_grace_period_exits_with_its_own_
 _BLOCKED_IN_CPP = """
     import datetime, logging, os, signal, sys, threading
     import torch.distributed as dist
-    from elastic_ddp.stop import StopSignal, report_members_gone
+    from elastic_ddp.worker.stop import StopSignal, report_members_gone
     logging.basicConfig(level=logging.INFO)
     if sys.argv[1] == "gone":
         report_members_gone(os.environ["ELASTIC_DDP_SETTINGS_ERROR_DIR"], "1 node(s) left round 7")
@@ -180,7 +180,7 @@ def test_a_signal_is_for_a_join_only_when_the_agent_marked_it_so_before_signalli
 def test_before_the_training_loop_a_signal_ends_the_process_at_once_with_the_stop_status():
     result = python("""
         import os, signal, threading
-        from elastic_ddp.stop import StopSignal
+        from elastic_ddp.worker.stop import StopSignal
         stop = StopSignal(grace_s=60)  # resuming, say: no step yet, so nothing to save
         os.kill(os.getpid(), signal.SIGTERM)
         threading.Event().wait(100)
@@ -197,7 +197,7 @@ def test_a_forked_child_is_ended_by_sigterm_as_without_the_stop_signal():
     # a child that kept the parent's handler would only note the signal, and the join would never end.
     result = python("""
         import os, signal
-        from elastic_ddp.stop import StopSignal
+        from elastic_ddp.worker.stop import StopSignal
         stop = StopSignal()
         stop.steps_started()  # in the parent a signal now only asks for a stop
         ready, ready_write = os.pipe()
@@ -219,7 +219,7 @@ def test_a_forked_child_is_ended_by_sigterm_as_without_the_stop_signal():
 def test_a_signal_to_a_forked_child_before_the_training_loop_does_not_end_the_parent():
     result = python("""
         import multiprocessing
-        from elastic_ddp.stop import StopSignal
+        from elastic_ddp.worker.stop import StopSignal
         stop = StopSignal()
         # A pool made before the loop (data preparation); leaving the block SIGTERMs its workers.
         with multiprocessing.get_context("fork").Pool(2) as pool:
@@ -284,7 +284,7 @@ _AGREEMENT_WORKER = """
 import json, sys, types
 import torch
 import torch.distributed as dist
-from elastic_ddp.stop import StopAgreement
+from elastic_ddp.worker.stop import StopAgreement
 
 rank, store_path, scenarios = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -326,7 +326,7 @@ def test_without_a_group_a_stop_needs_the_durable_tier_unless_it_is_for_a_join()
 _DURABLE_WORKER = """
 import json, sys, types
 import torch.distributed as dist
-from elastic_ddp.stop import StopAgreement
+from elastic_ddp.worker.stop import StopAgreement
 
 rank, store_path, scenarios = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3)
@@ -372,7 +372,7 @@ def test_without_a_group_the_values_are_agreed_as_passed():
 _VALUES_WORKER = """
 import json, sys, types
 import torch.distributed as dist
-from elastic_ddp.stop import StopAgreement
+from elastic_ddp.worker.stop import StopAgreement
 
 rank, store_path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -425,7 +425,7 @@ def test_a_survivor_that_is_never_restarted_leaves_with_an_error(stop_signal, ca
 
 _WORKER = """
 import threading
-from elastic_ddp.stop import exit_when_orphaned
+from elastic_ddp.worker.stop import exit_when_orphaned
 exit_when_orphaned(poll_s=0.05)
 print("watching", flush=True)
 threading.Event().wait(100)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_ddp import ddp_buckets
+from elastic_ddp.worker import ddp_buckets
 
 
 class Reordered(nn.Module):

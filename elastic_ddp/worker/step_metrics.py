@@ -1,6 +1,6 @@
 """The scalars of a logged step, gathered in one place from every part of the run that has numbers.
 
-:class:`StepMetrics` assembles the dictionary :meth:`elastic_ddp.metrics.Metrics.log_step` records:
+:class:`StepMetrics` assembles the dictionary :meth:`elastic_ddp.worker.metrics.Metrics.log_step` records:
 the loss and learning rate, the step time and data wait (:class:`Timing`, averaged between logged
 steps), the script's own ``step.log`` scalars, the checkpoint manager's ``ckpt/*`` numbers, the
 memory tier's ``memory/*`` numbers while it is on, and at this attempt's first logged step how many
@@ -18,7 +18,7 @@ import torch
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.data import StepBatch, StepBatches
 from elastic_ddp.memory.tier import MemoryTier
-from elastic_ddp.metrics import Metrics
+from elastic_ddp.worker.metrics import Metrics
 
 __all__ = ["StepMetrics", "Timing", "timed"]
 

@@ -21,7 +21,7 @@ rest to a :class:`Run`::
 What the run does, in the order the protocol needs (the script cannot get it wrong because the
 order is not the script's):
 
-1. :func:`launch`: settings from ``--config FILE`` and ``--section.field=value`` (a bad one stops
+1. :func:`~elastic_ddp.worker.launch.launch`: settings from ``--config FILE`` and ``--section.field=value`` (a bad one stops
    the job before anything starts); SIGTERM becomes a stop request (before the first step an
    immediate exit: there is nothing to save yet); the worker exits by itself if its torchrun agent
    dies; the process group and this rank's device; every random generator seeded from
@@ -41,11 +41,11 @@ order is not the script's):
    ``train.exit_at_step`` or a stop request -- into node memory only when the stop just admits a
    joining node (every node of the round stays and holds it there).
 4. Teardown: waits for a save in flight, closes the metrics and the process group, and exits 0,
-   or with :data:`~elastic_ddp.stop.EXIT_STOPPED` after a stop (a survivor of a membership change
+   or with :data:`~elastic_ddp.worker.stop.EXIT_STOPPED` after a stop (a survivor of a membership change
    first waits for its agent to restart it; a rank stopped from outside, a preemption, first tells
    its agent that the node leaves, so that the others need not wait for its exit), skipping the
    interpreter's module teardown (0.7 s of every restart with torch imported; threads, ``atexit``
-   handlers and open files are still seen to: :mod:`elastic_ddp.exiting`). A failure that must not
+   handlers and open files are still seen to: :mod:`elastic_ddp.worker.exiting`). A failure that must not
    pass silently -- a final save that failed, ``checkpoint.max_failed_saves`` failed saves in a
    row, storage not shared by all nodes, a resume that would mix runs -- ends the job with one
    clear message and a non-zero status.
@@ -56,14 +56,9 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
-import sys
-import time
-import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,37 +66,34 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from elastic_ddp.faults import at_step
-from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
+from elastic_ddp.checkpoint import CheckpointInfo, CheckpointManager
 from elastic_ddp.checkpoint.compiled import CompiledArtifacts
 from elastic_ddp.checkpoint.manifest import identity_digest, signing_key
-from elastic_ddp.config import Config, ConfigError, load_config
-from elastic_ddp.ddp_buckets import stabilize_buckets
+from elastic_ddp.config import Config, ConfigError
 from elastic_ddp.data import (
-    ORDER_VERSION, DataCursor, ElasticSampler, MicroBatch, Shards, StepBatch, StepBatches, StepLedger, check_dataset,
-    check_same_dataset, dataset_fingerprint, derive_seed, to_device,
+    ORDER_VERSION, ElasticSampler, Shards, StepBatches, StepLedger, check_dataset, check_same_dataset,
+    dataset_fingerprint, derive_seed,
 )  # fmt: skip
-from elastic_ddp.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo_group, shutdown_distributed
-from elastic_ddp.exiting import exit_without_teardown, prepare_exit
-from elastic_ddp.failures import FailureReport, RecurringFailureError
-from elastic_ddp.lifecycle import (
+from elastic_ddp.faults import at_step
+from elastic_ddp.logs import configure_logging
+from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier
+from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful, is_compiled
+from elastic_ddp.worker.ddp_buckets import stabilize_buckets
+from elastic_ddp.worker.distributed import ENV_MAX_RESTARTS, init_distributed, new_gloo_group, shutdown_distributed
+from elastic_ddp.worker.exiting import exit_on_settings_error, prepare_exit
+from elastic_ddp.worker.failures import FailureReport
+from elastic_ddp.worker.lifecycle import (
     ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_STOPPED, RunError, check_ended, end_ended, exit_status, frees_memory,
     loop_end, stop_ended, stop_event, stopped,
 )  # fmt: skip
-from elastic_ddp.logs import configure_logging
-from elastic_ddp.memory.tier import REPORT_SIZE, MemoryTier
-from elastic_ddp.metrics import Metrics, create_metrics
-from elastic_ddp.prestart.environment import settle as settle_environment
-from elastic_ddp.resume import Resumed, init_from, record_lost_history, record_resume, resume
-from elastic_ddp.state import ModelState, OptimizerState, Stateful, as_stateful, is_compiled
-from elastic_ddp.step_guard import StepGuard
-from elastic_ddp.step_metrics import StepMetrics, timed
-from elastic_ddp.stop import (
-    EXIT_CONFIG, EXIT_FAILED, StopAgreement, StopSignal, exit_when_orphaned, flush_and_exit, report_leaving,
-    report_settings_error,
-)  # fmt: skip
+from elastic_ddp.worker.metrics import Metrics, create_metrics
+from elastic_ddp.worker.resume import Resumed, init_from, record_lost_history, record_resume, resume
+from elastic_ddp.worker.step import DataState, Step
+from elastic_ddp.worker.step_guard import StepGuard
+from elastic_ddp.worker.step_metrics import StepMetrics, timed
+from elastic_ddp.worker.stop import StopAgreement, StopSignal, report_leaving
 
-__all__ = ["Run", "RunError", "Step", "launch"]
+__all__ = ["Run", "RunError", "Step"]
 
 log = logging.getLogger(__name__)
 
@@ -146,172 +138,6 @@ def _lockstep(objects: Mapping[str, Stateful]) -> frozenset[str]:
     return frozenset({DATA, SCHEDULER} if follows_steps else {DATA})
 
 
-class DataState:
-    """The data position, saved in every checkpoint: the cursor, and what it is a position *in*.
-
-    The cursor counts positions in a permutation of the dataset's samples; resuming it over another
-    dataset (another size, other contents when a fingerprint is given) or another order algorithm
-    would silently repeat and skip samples, so :meth:`bind` refuses that -- or, told to
-    (``data.on_change=next_epoch``), moves the position to the next epoch's start.
-    """
-
-    def __init__(self) -> None:
-        self.cursor = DataCursor()
-        self.num_samples = 0
-        self.fingerprint = ""
-        self.order = ORDER_VERSION
-        self._saved: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            **self.cursor.state_dict(), "num_samples": self.num_samples, "fingerprint": self.fingerprint,
-            "order": self.order,
-        }  # fmt: skip
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.cursor = DataCursor.from_state_dict(state)
-        self._saved = dict(state)
-
-    def bind(
-        self, num_samples: int, fingerprint: str, where: str, order: str = ORDER_VERSION, on_change: str = "refuse"
-    ) -> str | None:
-        """Attach the position to a dataset of ``num_samples`` (and ``fingerprint``) in the order named
-        ``order``. ``where`` names the checkpoint for the messages.
-
-        A resumed position that belongs to another dataset or order raises RunError, unless
-        ``on_change`` (``data.on_change``) is ``"next_epoch"``: the position then moves to the start of
-        the next epoch of this dataset, ``DataCursor(epoch + 1, 0)`` -- ``DataCursor(epoch, 0)`` as
-        saved where the checkpoint ended an epoch, since nothing of that one was consumed -- and the
-        warning to log once (what changed, and the saved epoch's samples left untrained) is returned.
-        Otherwise returns None.
-        """
-        note = None
-        saved = self._saved
-        if saved is not None:
-            problems = []
-            if saved.get("order") != order:
-                problems.append(f"its data order is {saved.get('order')!r}, this version uses {order!r}")
-            if saved.get("num_samples") != num_samples:
-                problems.append(f"it was written for a dataset of {saved.get('num_samples')} samples, this one has {num_samples}")
-            if saved.get("fingerprint", "") != fingerprint:
-                problems.append(f"its dataset fingerprint is {saved.get('fingerprint')!r}, this one's is {fingerprint!r}")
-            if problems and on_change != "next_epoch":
-                raise RunError(
-                    f"Checkpoint {where} cannot continue over this dataset: {'; '.join(problems)}. Its data "
-                    "position would then name other samples, repeating some and skipping others. Use the same "
-                    "data, start a new run (another run.name or checkpoint.url), or pass "
-                    "--data.on_change=next_epoch to continue at the start of the next epoch of this data."
-                )
-            if problems:
-                epoch, consumed = self.cursor.epoch, self.cursor.consumed
-                if consumed:
-                    untrained = saved["num_samples"] - consumed
-                    skipped = f"the rest of epoch {epoch} -- {untrained} samples not yet consumed -- is not trained"
-                    epoch += 1
-                else:
-                    skipped = "the checkpoint had not begun that epoch, so no sample is left untrained"
-                self.cursor = DataCursor(epoch, 0)
-                note = (
-                    f"Checkpoint {where} does not match this dataset: {'; '.join(problems)}. With "
-                    f"data.on_change=next_epoch the run continues at the start of epoch {epoch} of this data; "
-                    f"{skipped}."
-                )
-        self.num_samples = num_samples
-        self.fingerprint = fingerprint
-        self.order = order
-        return note
-
-
-class Step:
-    """One optimizer step of this rank. Iterate it for the micro-batches; call :meth:`backward` on each.
-
-    ``for batch in step:`` yields this rank's micro-batches (the ``collate_fn`` output, tensors moved
-    to the run's device); DDP synchronises gradients only on the last one (gradient accumulation).
-    The script's loss must be the *mean* over the micro-batch's samples (what every torch loss
-    returns by default); :meth:`backward` weights it so that the gradient is the global-batch mean
-    however the batch was split over ranks and micro-batches.
-    """
-
-    def __init__(self, batch: StepBatch, ddp_model: DistributedDataParallel, device: torch.device) -> None:
-        self.number = batch.step
-        self._batch = batch
-        self._ddp = ddp_model
-        self._device = device
-        self._micro: MicroBatch | None = None
-        self._position = -1
-        self._backwards = 0
-        self._loss_sum: torch.Tensor | None = None
-        self._samples = 0
-        self.scalars: dict[str, Any] = {}
-
-    @property
-    def indices(self) -> list[int]:
-        """The dataset indices of this rank's samples in this step."""
-        return list(self._batch.rank_indices)
-
-    @property
-    def micro(self) -> MicroBatch:
-        """The micro-batch being trained (its ``indices``, ``weight``, ``sample_seeds``)."""
-        if self._micro is None:
-            raise RunError("step.micro is only available inside `for batch in step:`.")
-        return self._micro
-
-    def __iter__(self) -> Iterator[Any]:
-        micros = self._batch.micro_batches
-        for position, micro in enumerate(micros):
-            self._micro, self._position = micro, position
-            last = position == len(micros) - 1
-            with nullcontext() if last else self._ddp.no_sync():
-                yield to_device(micro.data, self._device)
-            if self._backwards != position + 1:
-                raise RunError(
-                    f"Step {self.number}: micro-batch {position + 1} of {len(micros)} ended without "
-                    "step.backward(loss); every micro-batch needs exactly one (DDP's gradient all-reduce "
-                    "counts on it)."
-                )
-        self._micro = None
-
-    def backward(self, loss: torch.Tensor, scaler: Any = None) -> None:
-        """Backpropagate the micro-batch's mean ``loss``, weighted for uneven splits; with a
-        ``torch.amp.GradScaler``, scaled by it (then call ``scaler.step(optimizer)`` as usual)."""
-        micro = self.micro
-        if self._backwards != self._position:
-            raise RunError(f"Step {self.number}: step.backward() was called twice for one micro-batch.")
-        if loss.dim() != 0:
-            raise RunError(
-                f"Step {self.number}: step.backward() needs the micro-batch's mean loss (a scalar), got shape "
-                f"{tuple(loss.shape)}."
-            )
-        weighted = loss * micro.weight
-        (weighted if scaler is None else scaler.scale(weighted)).backward()
-        self._backwards += 1
-        if not micro.dummy:
-            # Summed on the device: read (one host sync) only at logged steps.
-            contribution = loss.detach().float() * micro.samples
-            self._loss_sum = contribution if self._loss_sum is None else self._loss_sum + contribution
-            self._samples += micro.samples
-
-    def log(self, **scalars: float | torch.Tensor) -> None:
-        """Extra scalars for this step, e.g. ``step.log(grad_norm=norm)`` (TensorBoard tag
-        ``train/grad_norm``). Tensors stay on the device; they are read only at logged steps."""
-        self.scalars.update({f"train/{name}": value for name, value in scalars.items()})
-
-    def _check_complete(self) -> None:
-        if self._micro is not None or self._backwards != len(self._batch.micro_batches):
-            raise RunError(
-                f"Step {self.number}: the step ended after {self._backwards} of "
-                f"{len(self._batch.micro_batches)} micro-batches; iterate `for batch in step:` to the end "
-                "and call step.backward(loss) for each."
-            )
-
-    def _loss_and_samples(self) -> torch.Tensor:
-        out = torch.zeros(2, dtype=torch.float64, device=self._device)
-        if self._loss_sum is not None:
-            out[0] = self._loss_sum.double()
-        out[1] = float(self._samples)
-        return out
-
-
 @dataclass
 class _Session:
     """What :meth:`Run.setup` built, together: the objects the loop and the teardown work with."""
@@ -335,7 +161,7 @@ class Run:
     ``is_main``, ``step`` (optimizer steps completed), ``resumed_from`` (the durable checkpoint this
     attempt started from, or None), ``resumed_tier`` (``"memory"``, ``"durable"`` or None: where this
     attempt's state came from), ``ended`` (how the loop ended, an ``ENDED_*`` value of
-    :mod:`elastic_ddp.lifecycle`; None until it did).
+    :mod:`elastic_ddp.worker.lifecycle`; None until it did).
     """
 
     def __init__(self, cfg: Config, stop_signal: StopSignal) -> None:
@@ -446,7 +272,7 @@ class Run:
                 device=self.device, control_group=self._control,
             )  # fmt: skip
         except ConfigError as exc:
-            _exit_on_settings_error(exc)
+            exit_on_settings_error(exc)
         if init_event:
             self._events.append(init_event)
         if resumed.tier is None and fresh_optimizer:
@@ -624,7 +450,7 @@ class Run:
                         session.memory_off = f"The memory tier stopped on rank {self.rank}: {memory.failed}"
                         metrics.event(session.memory_off)
                 # A stop only to admit a joining node: every node of this round stays, with the
-                # state in its memory (see elastic_ddp.stop), so storage is not needed.
+                # state in its memory (see elastic_ddp.worker.stop), so storage is not needed.
                 in_memory = stop and not exiting and not agreement.durable and self._commit_to_memory()
                 if not in_memory and (stop or exiting or (every and self.step % every == 0)):
                     self._save(blocking=stop or exiting)
@@ -747,120 +573,3 @@ class Run:
         # that a survivor of a membership change waits for (on the path of the restart).
         prepare_exit()
         return exit_status(self.ended, self._stop_signal, self.cfg.dist.restart_wait_s)
-
-
-# ---------------------------------------------------------------------------------------- launch
-
-
-def launch(
-    main: Callable[[Run], object], config: type[Config] | Config = Config, argv: Sequence[str] | None = None
-) -> NoReturn:
-    """Run ``main(run)`` as one worker of an elastic job, then exit with the protocol's status.
-
-    ``config``: the script's :class:`~elastic_ddp.config.Config` subclass (its own sections beside the
-    library's), or an instance whose values are the defaults; ``argv`` (default ``sys.argv[1:]``)
-    holds ``--config FILE`` and ``--section.field=value`` overrides; ``--help`` (``-h``) prints every
-    setting and exits 0. A bad setting exits :data:`~elastic_ddp.stop.EXIT_CONFIG` (2) before any
-    process group exists, and ends the whole job, not just this attempt (see
-    :func:`_exit_on_settings_error`). An exception is recorded (``failures.jsonl``, torchrun's error
-    file) and the worker leaves at once with status 1; a known failure prints one clear line,
-    anything else its traceback. After ``main`` returns, the worker leaves as the script's end would,
-    without the interpreter's module teardown (:func:`~elastic_ddp.exiting.exit_without_teardown`),
-    within ``run.exit_timeout_s``.
-    """
-    # What the script set in the environment before this call is settled: a warm worker whose script
-    # changed what torch read at its import has left for a fresh start by now (prestart/environment.py).
-    settle_environment()
-    args = sys.argv[1:] if argv is None else list(argv)
-    if "--help" in args or "-h" in args:
-        # Before anything else -- no process group, no signal handlers, no logging set-up -- so it
-        # is the same under python and torchrun (where one worker per node prints it).
-        from elastic_ddp.config import describe
-
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(describe(config), end="", flush=True)
-        sys.exit(0)
-    try:
-        cfg = load_config(args, config)
-    except ConfigError as exc:
-        _exit_on_settings_error(exc)
-    # From here SIGTERM/SIGINT ends the worker at once with EXIT_STOPPED (process-group set-up and
-    # resume included: nothing to save yet); once the loop starts it means "checkpoint at a step
-    # boundary, then exit", within grace_s. Before this line the default action ends the process.
-    stop_signal = StopSignal(grace_s=cfg.checkpoint.grace_s)
-    exit_when_orphaned()  # if our torchrun agent dies, do not train on as a ghost
-    configure_logging("worker")
-    try:
-        run = Run(cfg, stop_signal)
-        with run.failures:  # a crash that recurs at the same step ends with one clear error
-            try:
-                main(run)
-            except Exception:
-                run._keep_failed_step()
-                raise
-        code = run.finish()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else EXIT_FAILED
-    except BaseException as exc:  # noqa: BLE001 - every failure ends the same way: reported, then gone
-        _report_and_exit(exc)
-    exit_without_teardown(code, cfg.run.exit_timeout_s)
-
-
-# How long a worker whose settings are invalid waits for its agent to stop it (_exit_on_settings_error);
-# the agent looks every --monitor-interval (0.1 s by default).
-_SETTINGS_ERROR_WAIT_S = 30.0
-
-
-def _exit_on_settings_error(exc: ConfigError) -> NoReturn:
-    """Print what is wrong and leave with EXIT_CONFIG: no restart can fix a setting.
-
-    A worker of an agent with this package's rendezvous handler also reports the message to its
-    agent (:func:`~elastic_ddp.stop.report_settings_error`) and stays alive until the agent stops
-    it (at most ``_SETTINGS_ERROR_WAIT_S``, or until the agent is gone). Alive, it is no failure:
-    the agent finds the report when it next polls for membership changes, stops the worker, closes
-    the rendezvous with the message for every node and exits with it -- without spending a restart,
-    which torch's agent would count for a worker that failed before it asks the rendezvous again.
-    Anywhere else (torch's c10d rendezvous, plain python) the worker leaves at once; torchrun then
-    restarts it until --max-restarts is spent, and its summary shows this message (the error file).
-    """
-    print(exc, file=sys.stderr, flush=True)
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-        get_error_handler().record_exception(exc)  # torchrun's summary shows it (when it has a file)
-    except Exception:  # noqa: BLE001 - the message is already on stderr; the file is a courtesy
-        pass
-    if report_settings_error(str(exc)):
-        agent = os.getppid()
-
-        def stopped(signum: int, frame: object) -> None:
-            os._exit(EXIT_CONFIG)  # nothing to clean up; torch's interpreter teardown costs seconds
-
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, stopped)
-        deadline = time.monotonic() + _SETTINGS_ERROR_WAIT_S
-        while time.monotonic() < deadline and os.getppid() == agent:
-            time.sleep(0.1)
-    sys.exit(EXIT_CONFIG)
-
-
-_KNOWN = (RunError, CheckpointError, RecurringFailureError)
-
-
-def _report_and_exit(exc: BaseException) -> NoReturn:
-    """Record ``exc`` for torchrun and leave now, skipping interpreter cleanup.
-
-    Destroying a process group whose peer hangs can block forever (gloo waits on the frozen peer's
-    socket), and a failed worker must be gone for its agent to restart the group.
-    """
-    if isinstance(exc, _KNOWN):
-        log.error("%s", exc)
-    else:
-        traceback.print_exception(exc)
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-        get_error_handler().record_exception(exc)  # torchrun prints it as the root cause
-    except Exception:  # noqa: BLE001 - the error is already on stderr; the file is a courtesy
-        pass
-    flush_and_exit(EXIT_FAILED)

@@ -38,14 +38,20 @@ import atexit
 import gc
 import io
 import logging
+import os
+import signal
 import sys
 import threading
+import time
 import traceback
 from typing import NoReturn
 
-from elastic_ddp.stop import flush_and_exit
+from elastic_ddp.worker.stop import EXIT_CONFIG, flush_and_exit, report_settings_error
 
-__all__ = ["DEFAULT_EXIT_TIMEOUT_S", "exit_without_teardown", "prepare_exit", "run_threading_exit_hooks"]
+__all__ = [
+    "DEFAULT_EXIT_TIMEOUT_S", "exit_on_settings_error", "exit_without_teardown", "prepare_exit",
+    "run_threading_exit_hooks",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +156,41 @@ def _file_objects() -> list[io.IOBase]:
     # an isinstance reads ``__class__``, which some of torch's deprecated aliases warn on).
     file_types = {kind for kind in set(map(type, objects)) if issubclass(kind, io.IOBase)}
     return [obj for obj in objects if type(obj) in file_types]
+
+
+# How long a worker whose settings are invalid waits for its agent to stop it (exit_on_settings_error);
+# the agent looks every --monitor-interval (0.1 s by default).
+_SETTINGS_ERROR_WAIT_S = 30.0
+
+
+def exit_on_settings_error(exc: Exception) -> NoReturn:
+    """Print what is wrong and leave with EXIT_CONFIG: no restart can fix a setting.
+
+    A worker of an agent with this package's rendezvous handler also reports the message to its
+    agent (:func:`~elastic_ddp.worker.stop.report_settings_error`) and stays alive until the agent stops
+    it (at most ``_SETTINGS_ERROR_WAIT_S``, or until the agent is gone). Alive, it is no failure:
+    the agent finds the report when it next polls for membership changes, stops the worker, closes
+    the rendezvous with the message for every node and exits with it -- without spending a restart,
+    which torch's agent would count for a worker that failed before it asks the rendezvous again.
+    Anywhere else (torch's c10d rendezvous, plain python) the worker leaves at once; torchrun then
+    restarts it until --max-restarts is spent, and its summary shows this message (the error file).
+    """
+    print(exc, file=sys.stderr, flush=True)
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(exc)  # torchrun's summary shows it (when it has a file)
+    except Exception:  # noqa: BLE001 - the message is already on stderr; the file is a courtesy
+        pass
+    if report_settings_error(str(exc)):
+        agent = os.getppid()
+
+        def stopped(signum: int, frame: object) -> None:
+            os._exit(EXIT_CONFIG)  # nothing to clean up; torch's interpreter teardown costs seconds
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, stopped)
+        deadline = time.monotonic() + _SETTINGS_ERROR_WAIT_S
+        while time.monotonic() < deadline and os.getppid() == agent:
+            time.sleep(0.1)
+    sys.exit(EXIT_CONFIG)

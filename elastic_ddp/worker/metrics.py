@@ -38,7 +38,7 @@ from typing import Any
 
 from elastic_ddp.checkpoint.storage import Storage, join
 from elastic_ddp.config import ConfigError, LoggingConfig
-from elastic_ddp.lifecycle import (  # noqa: F401 - the end states are also importable from here
+from elastic_ddp.worker.lifecycle import (  # noqa: F401 - the end states are also importable from here
     ENDED_EXIT_AT_STEP, ENDED_FINISHED, ENDED_MEMBERSHIP, ENDED_STOPPED, ended_text,
 )  # fmt: skip
 

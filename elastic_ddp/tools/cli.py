@@ -1,7 +1,7 @@
 """The ``elastic-ddp`` console command: one subcommand per concern.
 
 ``etcd`` runs a local single-member etcd, ``ckpt`` lists, verifies and exports checkpoints,
-``tensorboard`` serves the runs' event files (:mod:`elastic_ddp.tensorboard_cli`). Each subcommand
+``tensorboard`` serves the runs' event files (:mod:`elastic_ddp.tools.tensorboard`). Each subcommand
 lives next to the code it drives and registers itself through ``add_parser(subparsers)``.
 """
 
@@ -10,16 +10,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from elastic_ddp import etcd_server, tensorboard_cli
-from elastic_ddp.checkpoint import cli as checkpoint_cli
+from elastic_ddp.tools import checkpoint, etcd_server, tensorboard
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-ddp", description="Fault-tolerant elastic PyTorch DDP tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     etcd_server.add_parser(sub)
-    checkpoint_cli.add_parser(sub)
-    tensorboard_cli.add_parser(sub)
+    checkpoint.add_parser(sub)
+    tensorboard.add_parser(sub)
     return parser
 
 

@@ -71,7 +71,7 @@ def attempt_id(environ: Mapping[str, str] | None = None) -> str:
     rendezvous round), another one for every other group. ``environ`` defaults to ``os.environ``.
 
     The step ledger (:mod:`elastic_ddp.data.ledger`) and the failure report
-    (:mod:`elastic_ddp.failures`) name attempts by it. torchrun's ``TORCHELASTIC_RESTART_COUNT``
+    (:mod:`elastic_ddp.worker.failures`) name attempts by it. torchrun's ``TORCHELASTIC_RESTART_COUNT``
     cannot serve across nodes: each agent counts its own restarts (a failure counts on the failed
     node only, a membership change on none, a node that joined later or replaced another has counted
     fewer), so the ranks of one group carry different counts. The id is, by what is available:

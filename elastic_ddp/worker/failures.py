@@ -12,7 +12,7 @@ is the "root cause" torchrun prints when it gives up.
 
 Attempts are counted, not ranks: when one rank dies, the others of its worker group often fail at
 the same step with the same error a few milliseconds later, and those records share one attempt id
-(:func:`elastic_ddp.distributed.attempt_id`, the step ledger's too), so they count once.
+(:func:`elastic_ddp.worker.distributed.attempt_id`, the step ledger's too), so they count once.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from elastic_ddp.distributed import attempt_id
+from elastic_ddp.worker.distributed import attempt_id
 
 __all__ = ["FAILURES_FILE", "FailureReport", "RecurringFailureError"]
 
@@ -42,7 +42,7 @@ class FailureReport:
 
     ``restart_count`` and ``max_restarts`` are torchrun's (``TORCHELASTIC_RESTART_COUNT``,
     ``TORCHELASTIC_MAX_RESTARTS``): this node's agent gives up when the count reaches the maximum.
-    The attempt is named by :func:`~elastic_ddp.distributed.attempt_id` from the environment at
+    The attempt is named by :func:`~elastic_ddp.worker.distributed.attempt_id` from the environment at
     construction. Only exceptions are handled; a SIGKILL leaves no record.
     """
 

@@ -1,7 +1,7 @@
 """``elastic-ddp ckpt``: list, verify and export checkpoints from the command line.
 
 ``add_parser(subparsers)`` registers the ``ckpt`` command; the top-level CLI then calls
-``args.func(args)``, which returns the process exit status. ``python -m elastic_ddp.checkpoint.cli``
+``args.func(args)``, which returns the process exit status. ``python -m elastic_ddp.tools.checkpoint``
 runs the same commands stand-alone.
 
 Exit status: 0 success, 1 a checkpoint failed verification, is not a checkpoint or does not hold

@@ -26,11 +26,11 @@ import torch.distributed as dist
 from elastic_ddp.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
 from elastic_ddp.checkpoint.pretrained import InitFromError, load_pretrained, source_record
 from elastic_ddp.config import Config, ConfigError, identity_differences
-from elastic_ddp.failures import FailureReport
-from elastic_ddp.lifecycle import RunError
+from elastic_ddp.worker.failures import FailureReport
+from elastic_ddp.worker.lifecycle import RunError
 from elastic_ddp.memory.policy import Candidate, choose_resume
 from elastic_ddp.memory.tier import MemoryTier, MemoryTierError
-from elastic_ddp.metrics import Metrics
+from elastic_ddp.worker.metrics import Metrics
 from elastic_ddp.state import Stateful
 
 __all__ = [

@@ -1,13 +1,13 @@
 """A run's life in one place: where its loop ends, how it ended, and what the process exits with.
 
 An attempt ends in one of four ways (the ``ENDED_*`` values, which the summary line and the
-progress record name, see :mod:`elastic_ddp.metrics`):
+progress record name, see :mod:`elastic_ddp.worker.metrics`):
 
 * :data:`ENDED_FINISHED` -- ``train.max_steps`` reached; node memory is freed and the worker exits 0.
 * :data:`ENDED_EXIT_AT_STEP` -- ``train.exit_at_step`` reached (checkpoint committed); exits 0.
 * :data:`ENDED_STOPPED` -- this rank was asked to stop (preemption, Ctrl-C); checkpoint committed.
 * :data:`ENDED_MEMBERSHIP` -- another node left or joined: this rank committed the agreed step and
-  waits for its agent to restart it (:func:`~elastic_ddp.stop.wait_for_restart`).
+  waits for its agent to restart it (:func:`~elastic_ddp.worker.stop.wait_for_restart`).
 
 A loop that has not ended in one of them when the script returns lost the steps since its last
 checkpoint: :func:`check_ended` says so with a :class:`RunError`.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # no import of torch here: the metrics import this module
-    from elastic_ddp.stop import StopSignal
+    from elastic_ddp.worker.stop import StopSignal
 
 __all__ = [
     "ENDED_EXIT_AT_STEP", "ENDED_FINISHED", "ENDED_MEMBERSHIP", "ENDED_STOPPED", "RunError", "check_ended",
@@ -96,11 +96,11 @@ def check_ended(ended: str | None, step: int, max_steps: int) -> None:
 
 def exit_status(ended: str, stop_signal: StopSignal, restart_wait_s: float) -> int:
     """The worker's exit status once its teardown is done: 0, or after a stop what
-    :func:`~elastic_ddp.stop.wait_for_restart` returns (preempted ranks leave now; survivors wait for
+    :func:`~elastic_ddp.worker.stop.wait_for_restart` returns (preempted ranks leave now; survivors wait for
     their agent to restart them at the new membership, so the stop costs neither steps nor one of
     torchrun's --max-restarts)."""
     if stopped(ended):
-        from elastic_ddp.stop import wait_for_restart
+        from elastic_ddp.worker.stop import wait_for_restart
 
         return wait_for_restart(stop_signal, restart_wait_s)
     return 0

@@ -2,7 +2,7 @@
 
 The command starts TensorBoard (the installed package) as a child on a directory of runs and
 supervises it: a signal that stops the command is passed on to TensorBoard, which is killed if it
-does not exit soon after. :mod:`elastic_ddp.cli` registers it through :func:`add_parser`.
+does not exit soon after. :mod:`elastic_ddp.tools.cli` registers it through :func:`add_parser`.
 """
 
 from __future__ import annotations
