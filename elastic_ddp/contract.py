@@ -47,7 +47,7 @@ ENV_PRESTART_PID = "ELASTIC_DDP_PRESTART_PID"
 # "0" turns warm starts off. Read by the agent's handler (rendezvous/handler.py).
 ENV_PRESTART = "ELASTIC_DDP_PRESTART"
 # The key that signs checkpoint manifests and compile caches. Read by the worker
-# (checkpoint/manifest.py, checkpoint/compiled.py; config.py names it in its advice).
+# (checkpoint/manifest.py, checkpoint/compiled.py; config/sections.py names it in its advice).
 ENV_CHECKPOINT_KEY = "ELASTIC_DDP_CHECKPOINT_KEY"
 # The etcd password (with rdzv_conf ``user``), never taken from rdzv_conf, which ``ps`` shows. Read
 # by the agent (rendezvous/plugin.py).

@@ -18,7 +18,7 @@ The local demo (a bundled etcd and 2 agents on this machine)::
 Nodes may leave (preemption, failure) and join while the job runs: torchrun restarts the workers
 at the new world size and the run resumes from the newest committed, verified checkpoint,
 consuming exactly the samples the uninterrupted run would have consumed. Settings: the library's
-sections (``elastic_ddp/config.py``) plus the three below; ``--config FILE`` and
+sections (``elastic_ddp/config/sections.py``) plus the three below; ``--config FILE`` and
 ``--section.field=value`` set them.
 """
 
