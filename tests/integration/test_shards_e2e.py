@@ -6,6 +6,8 @@ its shard index in an S3 API server (moto).
   the step-20 checkpoint, resumed on 3 ranks to step 30 (each step's loss the uninterrupted run's), on 2 to
   step 45, then on 4 to step 60 (past the end of the first epoch): every step trained on the uninterrupted
   run's sequences, and the ledger's sequences cover every token of every record once in the first epoch.
+  The uninterrupted run reads the JSONL copy, once for all four: every format trains on the same
+  sequences with the same losses.
 * A record that does not decode, skipped on request (``on_bad_record="skip"``): never trained on, every other
   record once an epoch, and the skip in the job's log, the ledger and TensorBoard's events.
 * A shard overwritten by a corrupt copy in the bucket after the index was built: the relaunched job ends
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import uuid
 from pathlib import Path
 
 import fsspec
 import pytest
 
 from elastic_ddp.data import DataCursor, ShardOrder, Shards, read_ledger, read_skipped
+from tests.fixtures.s3 import BUCKET
 from tests.helpers.job import REPO, Job, one_node_job, resumed_steps
 from tests.helpers.shards import encode, record, record_id, shard_sizes, tokens, write_shards
 from tests.unit.test_metrics import texts
@@ -42,20 +46,30 @@ def shards_job(endpoint: str, root: Path, run_id: str, data: str, fmt: str, *, n
     )  # fmt: skip
 
 
+PACKED = {"SHARDS_PACK": str(PACK)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(etcd_server, s3_server, tmp_path_factory):
+    """The ledger of an uninterrupted packed run over the JSONL copy on the S3 API server."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    data = write_shards(f"s3://{BUCKET}/{uuid.uuid4().hex}/corpus", "jsonl", SIZES)
+    whole = shards_job(etcd_server.endpoint, root, "whole", data, "jsonl", nproc=3, attempt="whole",
+                       flags=[f"--train.max_steps={STEPS}"], env_=PACKED).finish(timeout=240)  # fmt: skip
+    assert "Checkpoint committed" in whole
+    return read_ledger(root / "whole")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "webdataset", "hf-parquet"])
 def test_packed_shards_killed_at_3_ranks_resumed_at_3_then_2_then_4_every_token_once_per_epoch(
-    etcd_endpoint, s3_url, tmp_path, fmt
+    etcd_endpoint, s3_url, tmp_path, fmt, uninterrupted
 ):
     # On the S3 API server; a Hugging Face streaming dataset over local Parquet files.
     files = "parquet" if fmt == "hf-parquet" else fmt
     data = write_shards(str(tmp_path / "corpus") if fmt == "hf-parquet" else f"{s3_url}/corpus", files, SIZES)
-    packed = {"SHARDS_PACK": str(PACK)}
-    whole = shards_job(etcd_endpoint, tmp_path, "whole", data, fmt, nproc=3, attempt="whole",
-                       flags=[f"--train.max_steps={STEPS}"], env_=packed).finish(timeout=240)  # fmt: skip
-    assert "Checkpoint committed" in whole
     first = shards_job(etcd_endpoint, tmp_path, "sh", data, fmt, nproc=3, attempt="first",
-                       env_={**packed, "ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip
+                       env_={**PACKED, "ELASTIC_DDP_FAULT": "hang@25:rank=0:restart=0"})  # fmt: skip
     try:
         first.wait_for_commit(20, timeout=240)
         first.wait_for_step(24)
@@ -64,16 +78,16 @@ def test_packed_shards_killed_at_3_ranks_resumed_at_3_then_2_then_4_every_token_
         first.cleanup()
     # The same size: the resumed steps' losses are the uninterrupted run's, bit for bit.
     output = shards_job(etcd_endpoint, tmp_path, "sh", data, fmt, nproc=3, attempt="second",
-                        flags=["--train.exit_at_step=30"], env_=packed).finish(timeout=240)  # fmt: skip
+                        flags=["--train.exit_at_step=30"], env_=PACKED).finish(timeout=240)  # fmt: skip
     (resumed,) = resumed_steps(output)
     assert 20 <= resumed <= 24, output[-4000:]
     output = shards_job(etcd_endpoint, tmp_path, "sh", data, fmt, nproc=2, attempt="third",
-                        flags=["--train.exit_at_step=45"], env_=packed).finish(timeout=240)  # fmt: skip
+                        flags=["--train.exit_at_step=45"], env_=PACKED).finish(timeout=240)  # fmt: skip
     assert resumed_steps(output) == [30], output[-4000:]
     output = shards_job(etcd_endpoint, tmp_path, "sh", data, fmt, nproc=4, attempt="fourth",
-                        flags=[f"--train.max_steps={STEPS}"], env_=packed).finish(timeout=240)  # fmt: skip
+                        flags=[f"--train.max_steps={STEPS}"], env_=PACKED).finish(timeout=240)  # fmt: skip
     assert resumed_steps(output) == [45], output[-4000:]
-    history, reference = read_ledger(tmp_path / "sh"), read_ledger(tmp_path / "whole")
+    history, reference = read_ledger(tmp_path / "sh"), uninterrupted
     assert [entry.world_size for entry in history.values()] == [3] * 30 + [2] * 15 + [4] * (STEPS - 45)
     # Every step trained on the sequences of the uninterrupted run, at 3, 2 and 4 ranks alike.
     assert [e.all_indices for e in history.values()] == [e.all_indices for e in reference.values()]
