@@ -27,13 +27,13 @@ ENV_PREFIX = "ELASTIC_DDP_"
 # --- Set by the agent's rendezvous handler, inherited by the workers torchrun starts -------------
 
 # The agent's directory (rendezvous/agent_dir.py), where its workers reach it: the files and sockets
-# below. Read by the worker (stop.py: settings errors, the stop marks, the leaving socket).
+# below. Read by the worker (worker/stop.py: settings errors, the stop marks, the leaving socket).
 ENV_SETTINGS_ERROR_DIR = "ELASTIC_DDP_SETTINGS_ERROR_DIR"
-# The agent's pid. Read by the worker (stop.py) and the relay (the shim): only the agent's own
+# The agent's pid. Read by the worker (worker/stop.py) and the relay (the shim): only the agent's own
 # workers use its directory and its template, not a process that merely inherited the variables.
 ENV_AGENT_PID = "ELASTIC_DDP_AGENT_PID"
 # The number of the rendezvous round the workers were started in. Read by the worker
-# (distributed.py: the attempt's id, the ready line).
+# (worker/distributed.py: the attempt's id, the ready line).
 ENV_RDZV_ROUND = "ELASTIC_DDP_RDZV_ROUND"
 # The template's socket (set by prestart.Template.environment). Read by the relay (the shim), which
 # asks the template there for a warm copy; the template leaves it out of the environment it compares.
@@ -69,15 +69,15 @@ AGENT_DIR_PREFIX = "elastic_ddp-agent-"
 # Its owner mark: the agent's host, PID namespace, pid and start time. Written by the agent that made
 # the directory, read by later agents' clean-up (rendezvous/agent_dir.py).
 OWNER_FILE = "owner"
-# A worker's invalid settings. Written by the worker (stop.report_settings_error), read by the agent,
+# A worker's invalid settings. Written by the worker (agent_marks.report_settings_error), read by the agent,
 # which then ends the job on every node (rendezvous/handler.py).
 SETTINGS_ERROR_FILE = "settings-error.txt"
 # Why the agent is about to stop its workers: nodes of their round are gone, or (all stay) only to
-# admit a joining node. Written by the agent before its signal, read by the worker (stop.StopSignal).
+# admit a joining node. Written by the agent before its signal, read by the worker (worker/stop.py: StopSignal).
 MEMBERS_GONE_FILE = "members-gone.txt"
 NODES_JOINING_FILE = "nodes-joining.txt"
 # A Unix datagram socket: a worker says its node leaves the job, its stop checkpoint committed.
-# Bound by the agent (rendezvous/leaving.py), sent to by the worker (stop.report_leaving); a message
+# Bound by the agent (rendezvous/leaving.py), sent to by the worker (agent_marks.report_leaving); a message
 # is at most MAX_LEAVING_MESSAGE bytes on both sides.
 LEAVING_SOCKET = "leaving.sock"
 MAX_LEAVING_MESSAGE = 4096

@@ -30,6 +30,9 @@ Finding the open files means looking at every object the collector tracks: 0.07-
 (measured), on the path of every restart. :func:`prepare_exit` does that search ahead, while a
 rank waits for its agent to restart it (a survivor of a membership change), and freezes what it
 searched, so that the exit itself only looks at the objects made since.
+
+A worker whose settings are invalid never reaches the script: :func:`exit_on_settings_error` prints
+the error, tells the agent, and leaves with :data:`~elastic_ddp.contract.EXIT_CONFIG`.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ import time
 import traceback
 from typing import NoReturn
 
-from elastic_ddp.worker.stop import EXIT_CONFIG, flush_and_exit, report_settings_error
+from elastic_ddp.agent_marks import report_settings_error
+from elastic_ddp.contract import EXIT_CONFIG
+from elastic_ddp.worker.stop import flush_and_exit
 
 __all__ = [
     "DEFAULT_EXIT_TIMEOUT_S", "exit_on_settings_error", "exit_without_teardown", "prepare_exit",
@@ -167,7 +172,7 @@ def exit_on_settings_error(exc: Exception) -> NoReturn:
     """Print what is wrong and leave with EXIT_CONFIG: no restart can fix a setting.
 
     A worker of an agent with this package's rendezvous handler also reports the message to its
-    agent (:func:`~elastic_ddp.worker.stop.report_settings_error`) and stays alive until the agent stops
+    agent (:func:`~elastic_ddp.agent_marks.report_settings_error`) and stays alive until the agent stops
     it (at most ``_SETTINGS_ERROR_WAIT_S``, or until the agent is gone). Alive, it is no failure:
     the agent finds the report when it next polls for membership changes, stops the worker, closes
     the rendezvous with the message for every node and exits with it -- without spending a restart,
