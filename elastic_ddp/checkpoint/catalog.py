@@ -88,13 +88,16 @@ def read_checkpoint(storage: Storage, ckpt_url: str) -> CheckpointInfo:
     return CheckpointInfo.from_manifest(ckpt_url, manifest)
 
 
-def list_checkpoints(storage: Storage) -> list[CheckpointInfo]:
-    """Committed checkpoints under ``storage.url``, oldest first. Unreadable manifests are skipped with a warning."""
+def list_checkpoints(storage: Storage, root_url: str | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``root_url`` (default ``storage.url``; a caller holding a storage for
+    the URL's filesystem passes it instead of building another), oldest first. Unreadable manifests
+    are skipped with a warning."""
+    root = storage.url if root_url is None else root_url
     out = []
-    for name in storage.list_dirs(storage.url):
+    for name in storage.list_dirs(root):
         if not STEP_DIR_RE.match(name):
             continue
-        ckpt_url = join(storage.url, name)
+        ckpt_url = join(root, name)
         if not storage.exists(join(ckpt_url, mf.MANIFEST_NAME)):
             continue  # an interrupted or in-progress save: never a checkpoint
         try:

@@ -23,6 +23,12 @@ class CheckpointVerificationError(CheckpointError):
         return type(self), (str(self), self.bad_file, self.reason)
 
 
+class ExportError(ValueError):
+    """An object of a checkpoint cannot be written in the export format asked for, or reading it from
+    the checkpoint failed; the message names the object and why (a failed read chains the
+    :class:`CheckpointVerificationError` naming the file)."""
+
+
 _PLAIN_WORDS = {
     errno.ENOSPC: "is full",
     errno.EDQUOT: "is over its quota",

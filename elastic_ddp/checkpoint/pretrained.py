@@ -10,7 +10,8 @@ wins). The source is a local path or an fsspec URL of one of:
 * a DCP directory (``torch.distributed.checkpoint``, as ``ckpt export --format dcp`` writes); its
   pickled ``.metadata`` is read with an unpickler that builds only DCP's metadata classes;
 * a checkpoint of this package (a ``step-NNNNNNNNN`` directory, or a checkpoint root: its newest
-  committed checkpoint), whose model object is read with the export's verified reader.
+  committed checkpoint), whose model object is read with the verified object reader
+  (``checkpoint/objects.py``).
 
 Loading is strict: every tensor of the model must be in the source with its shape and dtype, and
 the source must hold nothing else; the errors name the parameters (both shapes, both dtypes).
@@ -53,7 +54,7 @@ import torch.distributed as dist
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_index
 from elastic_ddp.checkpoint.errors import CheckpointError
-from elastic_ddp.checkpoint.export import load_objects
+from elastic_ddp.checkpoint.objects import load_objects
 from elastic_ddp.checkpoint.storage import Storage, StorageError, join, normalize_url
 from elastic_ddp.checkpoint.tree import TreeError, flatten, path_text, unflatten
 from elastic_ddp.state import ModelState
@@ -111,16 +112,18 @@ def _names(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def _kind(storage: Storage, url: str) -> str:
-    """The format of the source at ``url``, from what is there (not from its name)."""
+def _locate(storage: Storage, url: str) -> tuple[str, str]:
+    """``(format, where)`` of the source at ``url``, from what is there (not from its name): ``where``
+    is ``url`` itself, or for a checkpoint root its newest committed checkpoint."""
     try:
         if storage.exists(join(url, mf.MANIFEST_NAME)):
-            return CHECKPOINT
+            return CHECKPOINT, url
         if storage.exists(join(url, _DCP_METADATA)):
-            return DCP
+            return DCP, url
         if storage.fs.isdir(storage._path(url)):
-            if list_checkpoints(Storage(url, storage.storage_options)):
-                return CHECKPOINT
+            committed = list_checkpoints(storage, url)
+            if committed:
+                return CHECKPOINT, committed[-1].url
             raise InitFromError(
                 f"checkpoint.init_from ({url}) is a directory, but neither a checkpoint (no {mf.MANIFEST_NAME}, no "
                 f"committed step-* directories) nor a DCP checkpoint (no {_DCP_METADATA}). Name a torch.save or "
@@ -133,9 +136,9 @@ def _kind(storage: Storage, url: str) -> str:
     except StorageError as exc:
         raise InitFromError(f"checkpoint.init_from ({url}) cannot be read: {exc}", retryable=True) from exc
     if head[:4] == b"PK\x03\x04":  # torch.save's zip container
-        return TORCH
+        return TORCH, url
     if len(head) == 9 and head[8:9] == b"{":  # safetensors: an 8-byte header length, then its JSON
-        return SAFETENSORS
+        return SAFETENSORS, url
     raise InitFromError(
         f"checkpoint.init_from ({url}) is neither a torch.save file (a zip archive) nor a safetensors file "
         "(a JSON header): expected one of these, a DCP directory or a checkpoint directory."
@@ -143,10 +146,8 @@ def _kind(storage: Storage, url: str) -> str:
 
 
 def _checkpoint_of(storage: Storage, url: str) -> tuple[CheckpointInfo, bytes]:
-    """The checkpoint at ``url`` -- or the newest committed one under it (a checkpoint root) -- and
-    the bytes of its manifest."""
-    if not storage.exists(join(url, mf.MANIFEST_NAME)):
-        url = list_checkpoints(Storage(url, storage.storage_options))[-1].url
+    """The checkpoint at ``url`` (a checkpoint directory, as :func:`_locate` gives it) and the bytes
+    of its manifest."""
     data = storage.read_bytes(join(url, mf.MANIFEST_NAME))
     try:
         return CheckpointInfo.from_manifest(url, mf.parse(data, f"{url}/{mf.MANIFEST_NAME}")), data
@@ -159,19 +160,19 @@ def source_record(url: str, storage_options: Mapping[str, Any] | None = None) ->
     only what the digest covers. Raises :class:`InitFromError` naming the source."""
     url = normalize_url(url)
     storage = Storage(url, dict(storage_options or {}))
-    kind = _kind(storage, url)
+    kind, where = _locate(storage, url)
     try:
-        return _record(storage, url, kind)
+        return _record(storage, where, kind)
     except StorageError as exc:
         raise InitFromError(f"checkpoint.init_from ({url}) cannot be read: {exc}", retryable=True) from exc
 
 
 def _record(storage: Storage, url: str, kind: str, data: bytes | None = None) -> dict[str, str]:
-    """The record of the source; ``data``: the file's bytes (or the checkpoint's manifest) when read already."""
+    """The record of the source at ``url`` (for a checkpoint: the checkpoint directory :func:`_locate`
+    gives); ``data``: the file's bytes (or the checkpoint's manifest) when read already."""
     if kind == CHECKPOINT:
         if data is None:
-            info, data = _checkpoint_of(storage, url)
-            url = info.url
+            _, data = _checkpoint_of(storage, url)
         return {"url": url, "format": kind, "blake3": mf.hash_bytes(data, "blake3")}
     if kind == DCP:
         lines = []
@@ -199,8 +200,10 @@ def _read_source(
     """:func:`read_weights`, and the state dicts of the objects ``entries`` that the source holds
     (a checkpoint of this package only; other formats hold a model's weights alone)."""
     url = normalize_url(url)
+    # One storage for every read of the source: a checkpoint root's newest checkpoint is on the same
+    # filesystem, reached with the same options.
     storage = Storage(url, dict(storage_options or {}))
-    kind = _kind(storage, url)
+    kind, where = _locate(storage, url)
     found: dict[str, Any] = {}
     try:
         if kind in (TORCH, SAFETENSORS):
@@ -211,9 +214,9 @@ def _read_source(
             record = _record(storage, url, kind)
             weights = _from_dcp(url, storage)
         else:
-            info, manifest = _checkpoint_of(storage, url)
+            info, manifest = _checkpoint_of(storage, where)
             record = _record(storage, info.url, kind, manifest)
-            weights, found = _from_checkpoint(Storage(info.url, storage.storage_options), info, entries)
+            weights, found = _from_checkpoint(storage, info, entries)
     except StorageError as exc:
         raise InitFromError(f"checkpoint.init_from ({url}) cannot be read: {exc}", retryable=True) from exc
     return weights, record, found

@@ -31,6 +31,7 @@ from elastic_ddp.checkpoint.catalog import (
     verify_checkpoint,
 )
 from elastic_ddp.checkpoint.index import Index, IndexFormatError
+from elastic_ddp.checkpoint.objects import object_tensors, open_objects
 from elastic_ddp.checkpoint.sharded import describe_per_rank
 from elastic_ddp.checkpoint.storage import Storage, StorageError, normalize_url
 from elastic_ddp.checkpoint.tree import TreeError
@@ -191,7 +192,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         per_rank = describe_per_rank(index, names)
         # Nothing is read yet: each object streams from the checkpoint's files into its export
         # (every file checked as it streams), so the export holds a few buffers, never the state.
-        states = ex.open_objects(storage, info.url, index.as_shared(args.rank), mf.file_records(info.manifest), names)
+        states = open_objects(storage, info.url, index.as_shared(args.rank), mf.file_records(info.manifest), names)
     except (CheckpointError, StorageError, TreeError, IndexFormatError) as exc:
         print(f"error: reading {', '.join(map(repr, names))} from {info.url} failed: {exc}", file=sys.stderr)
         return 1
@@ -316,7 +317,7 @@ def _safetensors_objects(
     """``(problem, names, skipped)`` for a safetensors export, which cannot hold an object without
     tensors: with ``--all`` such objects (a scheduler, the data position) are skipped; one named
     with ``--object`` is an error, as is ``--all`` when no object holds a tensor."""
-    empty = [name for name in names if not ex.object_tensors(index, name)]
+    empty = [name for name in names if not object_tensors(index, name)]
     if not empty:
         return None, names, []
     if every and len(empty) < len(names):

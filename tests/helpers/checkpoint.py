@@ -1,11 +1,11 @@
 """Small states for checkpoint tests: a manager on a URL, a user's own object, a stepped model and
-its optimizer, and the comparison of a restore with what was saved."""
+its optimizer, the comparison of a restore with what was saved, and a record of the storages built."""
 
 from __future__ import annotations
 
 import torch
 
-from elastic_ddp.checkpoint import CheckpointManager
+from elastic_ddp.checkpoint import CheckpointManager, Storage
 from elastic_ddp.config import CheckpointConfig
 from elastic_ddp.state import ModelState, OptimizerState
 
@@ -60,3 +60,16 @@ def assert_same(model: torch.nn.Module, opt: torch.optim.Optimizer, expected: tu
     for index, state in opt.state_dict()["state"].items():
         for key, value in state.items():
             assert torch.equal(value, osd[index][key]), (index, key)
+
+
+def storages_built(monkeypatch) -> list[str]:
+    """The URLs of the :class:`Storage` objects built from now on, in order."""
+    built: list[str] = []
+    build = Storage.__init__
+
+    def counted(self, url, *args, **kwargs) -> None:
+        built.append(url)
+        build(self, url, *args, **kwargs)
+
+    monkeypatch.setattr(Storage, "__init__", counted)
+    return built

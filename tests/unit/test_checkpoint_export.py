@@ -17,13 +17,15 @@ from safetensors.torch import load_file
 
 from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.checkpoint import export as ex
+from elastic_ddp.checkpoint import objects
+from elastic_ddp.checkpoint.formats import dcp as dcp_writer
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.catalog import read_checkpoint, read_index
 from elastic_ddp.checkpoint.errors import CheckpointVerificationError
 from elastic_ddp.checkpoint.sharded import read_state
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.state import ModelState
-from tests.helpers.checkpoint import Box, manager
+from tests.helpers.checkpoint import Box, manager, storages_built
 
 OBJECTS = ["model", "optimizer", "scheduler", "ema", "raw_optimizer", "counter"]
 TENSOR_OBJECTS = ["model", "optimizer", "ema", "raw_optimizer"]  # 'scheduler' and 'counter' hold plain values only
@@ -186,6 +188,15 @@ def test_dcp_export_needs_a_new_or_empty_directory(run_checkpoint, tmp_path, cap
     assert "--format dcp writes a directory" in capsys.readouterr().err
 
 
+def test_verify_and_export_each_build_one_storage_for_the_checkpoint(run_checkpoint, tmp_path, monkeypatch) -> None:
+    built = storages_built(monkeypatch)
+    assert ckpt_cli.main(["ckpt", "verify", run_checkpoint.url]) == 0
+    assert built == [run_checkpoint.url]
+    built.clear()
+    assert export(run_checkpoint.url, tmp_path / "out", "--all") == 0
+    assert built == [run_checkpoint.url]
+
+
 def _read(url: str, reader):
     storage = Storage(url)
     info = read_checkpoint(storage, url)
@@ -197,7 +208,7 @@ def _read(url: str, reader):
 def test_load_objects_gives_what_the_resume_reader_gives(run_checkpoint) -> None:
     def both(storage, info, index, pool):
         files = mf.file_records(info.manifest)
-        return ex.load_objects(storage, info.url, index, files, OBJECTS, pool), read_state(
+        return objects.load_objects(storage, info.url, index, files, OBJECTS, pool), read_state(
             storage, info.url, index, files, OBJECTS, pool
         )
 
@@ -230,7 +241,7 @@ def test_load_objects_checks_every_file_it_reads_against_the_manifest(run_checkp
     data = _damage(run_checkpoint.url, damage)
 
     def read(storage, info, index, pool):
-        return ex.load_objects(storage, info.url, index, mf.file_records(info.manifest), OBJECTS, pool)
+        return objects.load_objects(storage, info.url, index, mf.file_records(info.manifest), OBJECTS, pool)
 
     with pytest.raises(CheckpointVerificationError, match=f"{data}.*does not match its manifest") as failed:
         _read(run_checkpoint.url, read)
@@ -247,7 +258,7 @@ def test_a_file_failing_its_check_mid_export_leaves_no_output(run_checkpoint, tm
     out = tmp_path / "exports" / "out"
 
     def export_model(storage, info, index, pool):
-        [stored] = ex.open_objects(storage, info.url, index, mf.file_records(info.manifest), ["model"]).values()
+        [stored] = objects.open_objects(storage, info.url, index, mf.file_records(info.manifest), ["model"]).values()
         return ex.write(fmt, "model", stored, str(out), metadata={})
 
     with pytest.raises(ex.ExportError, match=f"Reading 'model' from .* failed: .*{data}") as failed:
@@ -376,10 +387,10 @@ def test_dcp_export_holds_one_tensor_at_a_time(tmp_path, monkeypatch) -> None:
     import weakref
 
     url, state = _mixed_checkpoint(tmp_path / "c")
-    monkeypatch.setattr(ex, "_DCP_GROUP_BYTES", 0)
+    monkeypatch.setattr(dcp_writer, "_GROUP_BYTES", 0)
     alive: set[int] = set()
     most = [0]
-    get = ex._WholeTensors.get
+    get = dcp_writer._WholeTensors.get
 
     def tracked(self, tensor: int) -> torch.Tensor:
         value = get(self, tensor)
@@ -388,7 +399,7 @@ def test_dcp_export_holds_one_tensor_at_a_time(tmp_path, monkeypatch) -> None:
         most[0] = max(most[0], len(alive))
         return value
 
-    monkeypatch.setattr(ex._WholeTensors, "get", tracked)
+    monkeypatch.setattr(dcp_writer._WholeTensors, "get", tracked)
     assert export(url, tmp_path / "dcp", "--format", "dcp") == 0
     assert most[0] == 1
     files = [n for n in os.listdir(tmp_path / "dcp") if n.endswith(".distcp")]

@@ -25,7 +25,7 @@ from elastic_ddp.checkpoint.catalog import list_checkpoints
 from elastic_ddp.checkpoint.storage import Storage
 from elastic_ddp.config import Config, ConfigError, load_config
 from elastic_ddp.state import ModelState, as_stateful
-from tests.helpers.checkpoint import Box, manager
+from tests.helpers.checkpoint import Box, manager, storages_built
 
 
 class Net(torch.nn.Module):
@@ -132,6 +132,28 @@ def test_a_checkpoint_source_is_verified_as_it_is_read(tmp_path) -> None:
     with pytest.raises(pt.InitFromError, match=rf"{shard.name}.*(checksum|BLAKE3)"):
         pt.load_pretrained(str(step_dir), ModelState(model))
     assert equal(model, before)
+
+
+@pytest.mark.parametrize("kind", ["torch", "dcp", "checkpoint", "checkpoint-root"])
+def test_a_load_builds_one_storage_for_its_source(kind, tmp_path, monkeypatch) -> None:
+    # Its format, a root's newest checkpoint, the manifest, the index and the data files are all read
+    # through the one storage built for the source's URL.
+    weights = pretrained()
+    if kind == "torch":
+        torch.save(weights, source := tmp_path / "w.pt")
+    elif kind == "dcp":
+        source = dcp_dir(weights, tmp_path / "w-dcp")
+    else:
+        step_dir = project_checkpoint(weights, tmp_path / "ckpts")
+        source = step_dir if kind == "checkpoint" else step_dir.parent
+    built = storages_built(monkeypatch)
+    model = fresh()
+    record = pt.load_pretrained(str(source), ModelState(model)).record
+    assert equal(model, weights)
+    assert built == [str(source)]
+    built.clear()
+    assert pt.source_record(str(source)) == record
+    assert built == [str(source)]
 
 
 # -------------------------------------------------------------------------------------- strictness
