@@ -111,3 +111,23 @@ def test_installing_every_extra_keeps_an_installed_torch(tmp_path):
     assert "elastic-ddp" in planned
     assert "torch" not in planned, f"pip would replace torch {torch.version} with {planned['torch']}"
     assert not [name for name in planned if name.startswith("nvidia-")], sorted(planned)
+
+
+def test_every_declared_entry_point_loads_and_the_console_command_runs():
+    # The console command and torchrun's handler names point at modules by path: a module that moved
+    # without its entry point would leave the installed command or `--rdzv-backend=etcd` broken.
+    from importlib.metadata import EntryPoint
+
+    declared = [("console_scripts", name, target) for name, target in PYPROJECT["project"]["scripts"].items()] + [
+        (group, name, target)
+        for group, entries in PYPROJECT["project"]["entry-points"].items()
+        for name, target in entries.items()
+    ]
+    assert declared
+    for group, name, target in declared:
+        assert callable(EntryPoint(name, target, group).load()), f"{group} {name} = {target}"
+    installed = {(e.group, e.name): e.value for e in distribution("elastic-ddp").entry_points}
+    assert all(installed.get((group, name)) == target for group, name, target in declared), installed
+    command = Path(sys.executable).parent / "elastic-ddp"
+    done = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ckpt" in done.stdout and "tensorboard" in done.stdout, done.stderr
