@@ -50,7 +50,8 @@ from elastic_ddp.contract import ENV_TORCH_ETCD as TORCH_ETCD_ENV
 if TYPE_CHECKING:  # pragma: no cover
     from elastic_ddp.rendezvous.backend import EtcdV3RendezvousBackend
     from elastic_ddp.etcd import EtcdClient
-    from elastic_ddp.rendezvous.handler import EtcdRendezvousHandler, HandlerSettings
+    from elastic_ddp.rendezvous.handler import EtcdRendezvousHandler
+    from elastic_ddp.rendezvous.settings import HandlerSettings
     from elastic_ddp.rendezvous.store import EtcdV3Store
 
 __all__ = [
@@ -331,7 +332,7 @@ def _seconds(params: RendezvousParameters, *keys: str) -> int | None:
 
 def handler_settings(params: RendezvousParameters) -> HandlerSettings:
     """The handler's settings from ``params`` (with this project's defaults already merged in)."""
-    from elastic_ddp.rendezvous.handler import HandlerSettings
+    from elastic_ddp.rendezvous.settings import HandlerSettings
 
     interval = _seconds(params, "keep_alive_interval") or DEFAULT_KEEP_ALIVE_INTERVAL
     attempts = _seconds(params, "keep_alive_max_attempt") or DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
@@ -409,7 +410,8 @@ def _per_round_worker_store() -> None:
     every rendezvous round a fresh worker store, unless the user chose otherwise by setting
     :data:`DISABLE_SHARED_STORE_ENV` themselves (``0`` keeps torch's shared store). This package's
     handler needs no variable: each of its rounds' rank-0 agent hosts a new store
-    (``EtcdRendezvousHandler._bootstrap``), and it refuses a ``0`` (:func:`_refuse_shared_store`).
+    (:meth:`elastic_ddp.rendezvous.node.NodeServices.bootstrap`), and it refuses a ``0``
+    (:func:`_refuse_shared_store`).
 
     Deliberately process-wide. torch's shared worker TCPStore lives in the agent that was rank 0 of
     the first round and keeps its keys across restarts: a restarted group's gloo reads the dead

@@ -32,7 +32,8 @@ from elastic_ddp.worker.stop import (
 from elastic_ddp.tools.etcd_server import EtcdServer
 from elastic_ddp.rendezvous import plugin
 from elastic_ddp.etcd import EtcdClient, EtcdConnectionError, Range
-from elastic_ddp.rendezvous import handler as handler_module
+from elastic_ddp.rendezvous import join as join_module
+from elastic_ddp.rendezvous import node as node_module
 from elastic_ddp.rendezvous.handler import ENV_RDZV_ROUND, EtcdRendezvousHandler, InvalidSettingsError
 from elastic_ddp.rendezvous.liveness import LivenessListener
 from elastic_ddp.rendezvous.rounds import LAST_CALL, RoundRecord, node_key
@@ -47,7 +48,7 @@ def run(etcd_endpoint, etcd_prefix, monkeypatch):
     """A factory of handlers of one fresh run; every handler leaves at the end of the test."""
     monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
     # The nodes have made-up addresses but run here: their agents answer probes on this host.
-    monkeypatch.setattr(handler_module, "LivenessListener", lambda host: LivenessListener("127.0.0.1"))
+    monkeypatch.setattr(join_module, "LivenessListener", lambda host: LivenessListener("127.0.0.1"))
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     made: list[EtcdRendezvousHandler] = []
 
@@ -134,8 +135,8 @@ SLOW_TO_NOTICE = {"last_call_timeout": "120", "keep_alive_max_attempt": "120"}
 def _killed(handler: EtcdRendezvousHandler) -> None:
     """What SIGKILL of an agent leaves behind: a lease nobody renews that etcd still holds, and
     nothing listening where its registration says its agent answers."""
-    handler._keep_alive.close()
-    handler._liveness.close()
+    handler._joiner._lease._keep_alive.close()
+    handler._joiner._liveness.close()
 
 
 def test_after_a_failure_the_round_completes_without_waiting_for_a_node_whose_agent_is_gone(run, etcd_client):
@@ -146,7 +147,7 @@ def test_after_a_failure_the_round_completes_without_waiting_for_a_node_whose_ag
     infos = join_all(a, b)
     assert ranks(infos) == [(0, 2), (1, 2)]
     # Neither c's lease (120 s) nor the last call (120 s) ended: the probe told the survivors.
-    assert etcd_client.lease_ttl(c._lease) > 60
+    assert etcd_client.lease_ttl(c._joiner._lease.current) > 60
     previous = record(etcd_client, run.keys).round - 1
     assert etcd_client.range(Range.prefix(run.keys.joins(previous), count_only=True)).count == 0  # c's removed
 
@@ -158,7 +159,7 @@ def test_while_a_round_trains_a_member_whose_agent_is_gone_is_removed_at_once_an
     _killed(b)
     # Its predecessor in the ring probes it: no collective failed, its lease (120 s) still runs.
     wait_for(lambda: a.num_nodes_waiting() == 1 and c.num_nodes_waiting() == 1, 10, what="b's departure")
-    assert etcd_client.lease_ttl(b._lease) > 60
+    assert etcd_client.lease_ttl(b._joiner._lease.current) > 60
     # Each agent told its workers why it stops them, before it does.
     joined = record(etcd_client, run.keys).round
     assert members_gone(a.settings_error_dir) == members_gone(c.settings_error_dir) == f"1 node(s) left round {joined}"
@@ -194,14 +195,14 @@ def test_each_member_probes_one_other_in_a_ring_and_a_round_of_one_probes_none(r
         def stop(self) -> None:
             pass
 
-    monkeypatch.setattr(handler_module, "SuccessorWatch", Recorded)
+    monkeypatch.setattr(join_module, "SuccessorWatch", Recorded)
     handlers = [run(1, 3, "127.0.0.1") for _ in range(3)]
     join_all(*handlers)
-    probed = {h._liveness.port: h._successor.address[1] for h in handlers}
+    probed = {h._joiner._liveness.port: h._joiner._successor.address[1] for h in handlers}
     assert sorted(probed.values()) == sorted(probed)  # every node probed, by exactly one other
     assert all(own != other for own, other in probed.items())
     join_all(handlers[0])
-    assert handlers[0]._successor is None
+    assert handlers[0]._joiner._successor is None
 
 
 def test_a_node_whose_agent_still_answers_is_waited_for(run, etcd_client):
@@ -258,9 +259,10 @@ def test_a_node_restarting_its_workers_for_a_join_stays_whatever_its_workers_rep
     join_all(a, b)
     newcomer = Joining(run(1, 4, "10.0.0.3"))
     wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 30, what="the new round")
-    lease = b._lease
+    lease = b._joiner._lease.current
     b._leave_round_early("rank 1 stopped at step 7")  # what its listener calls on a worker's report
-    assert b._lease == lease and a.num_nodes_waiting() == 1 and members_gone(a.settings_error_dir) is None
+    assert (b._joiner._lease.current == lease and a.num_nodes_waiting() == 1
+            and members_gone(a.settings_error_dir) is None)  # fmt: skip
     assert sorted(ranks([*join_all(a, b), newcomer.result()])) == [(0, 3), (1, 3), (2, 3)]
 
 
@@ -283,8 +285,8 @@ def test_a_node_that_dies_is_gone_for_the_others_when_its_lease_expires(run):
     a, b = run(1, 3, "10.0.0.1"), run(1, 3, "10.0.0.2")
     join_all(a, b)
     # b's process freezes or dies: nothing renews its lease, nothing revokes it.
-    b._keep_alive.close()
-    b._stream.close()
+    b._joiner._lease._keep_alive.close()
+    b._joiner._stream.close()
     wait_for(lambda: a.num_nodes_waiting() == 1, 30, what="the lease of the dead node to expire")
     assert ranks(join_all(a)) == [(0, 1)]
 
@@ -327,8 +329,8 @@ class RecordingTemplate:
 def test_a_node_waits_for_a_warm_template_only_when_it_joins_a_running_job(run, monkeypatch):
     # At a first formation every worker starts anyway: the node registers at once. A node that
     # arrives at a running job restarts every rank: it registers once its workers can start warm.
-    monkeypatch.setenv(handler_module.ENV_PRESTART, "1")
-    monkeypatch.setattr(handler_module, "Template", RecordingTemplate)
+    monkeypatch.setenv(node_module.ENV_PRESTART, "1")
+    monkeypatch.setattr(node_module, "Template", RecordingTemplate)
     monkeypatch.setattr(RecordingTemplate, "waits", [])
     a, b = run(1, 3, "10.0.0.1"), run(1, 3, "10.0.0.2")
     join_all(a, b)
@@ -347,13 +349,13 @@ def test_a_full_round_keeps_a_spare_which_takes_part_when_a_member_leaves(run, e
     # The spare's join clock runs while the test waits for the departure: give it room on a loaded machine.
     spare_handler = run(1, 2, "10.0.0.3", join_timeout="120", last_call_timeout="10")
     # The spare reacts to the departure late, so the remaining member certainly rejoins first.
-    register = spare_handler._register
+    register = spare_handler._joiner._register
 
     def late_register(*args, **kwargs):
         time.sleep(0.5)
         return register(*args, **kwargs)
 
-    monkeypatch.setattr(spare_handler, "_register", late_register)
+    monkeypatch.setattr(spare_handler._joiner, "_register", late_register)
     spare = Joining(spare_handler)
     spare.thread.join(2.5)
     assert spare.thread.is_alive() and spare.error is None
@@ -371,11 +373,12 @@ def test_a_node_whose_lease_ends_while_it_waits_for_a_round_registers_again(run,
         return etcd_client.range(Range.prefix(run.keys.base + "joins/", count_only=True)).count
 
     first = Joining(run(2, 2, "10.0.0.1", join_timeout="20"))
-    wait_for(lambda: registrations() == 1 and first.handler._lease is not None, 30, what="the first registration")
-    lease = first.handler._lease
+    wait_for(lambda: registrations() == 1 and first.handler._joiner._lease.current is not None, 30,
+             what="the first registration")  # fmt: skip
+    lease = first.handler._joiner._lease.current
     # As when its renewals were starved past the TTL: etcd drops the lease and the key under it.
     etcd_client.revoke_lease(lease)
-    wait_for(lambda: registrations() == 1 and first.handler._lease not in (None, lease), 30,
+    wait_for(lambda: registrations() == 1 and first.handler._joiner._lease.current not in (None, lease), 30,
              what="the node to register again under a new lease")  # fmt: skip
     second = Joining(run(2, 2, "10.0.0.2", join_timeout="20"))
     assert ranks([first.result(), second.result()]) == [(0, 2), (1, 2)]
@@ -458,7 +461,7 @@ def test_an_ordinary_close_does_not_end_the_other_nodes_groups(run):
     a, b = run(1, 2, "10.0.0.1"), run(1, 2, "10.0.0.2")
     join_all(a, b)
     assert a.shutdown() is True  # a's job finished: b's workers finish on their own
-    b._view.refresh()
+    b._joiner.view.refresh()
     assert b.num_nodes_waiting() == 0
 
 
@@ -490,7 +493,7 @@ def test_a_completed_round_writes_nothing_while_its_nodes_stay_alive(run, tmp_pa
             assert [h.num_nodes_waiting() for h in handlers] == [0, 0, 0]
             stop.wait(0.1)
         assert client.range(Range(run.keys.round)).revision == before  # not one write
-        assert all(client.lease_ttl(h._lease) > 0 for h in handlers)
+        assert all(client.lease_ttl(h._joiner._lease.current) > 0 for h in handlers)
         for handler in handlers:
             handler.leave()
 
@@ -524,7 +527,7 @@ def test_registrations_beyond_max_nodes_are_spares_and_their_leaving_changes_not
     late.leave()  # a spare leaving is no membership change
     with pytest.raises(RendezvousClosedError, match="has left"):
         b.result()
-    a.handler._view.wait(a.handler._view.snapshot().version, 1.0)
+    a.handler._joiner.view.wait(a.handler._joiner.view.snapshot().version, 1.0)
     assert a.handler.num_nodes_waiting() == 0
     etcd_client.revoke_lease(lease)  # a member leaving is one
     wait_for(lambda: a.handler.num_nodes_waiting() == 1, 30, what="the member's departure")
@@ -553,7 +556,7 @@ def test_a_join_rides_out_etcd_being_down_and_completes_once_it_is_back(run, tmp
     with EtcdServer(tmp_path / "etcd") as own:
         a = run(2, 2, "10.0.0.1", endpoint=own.endpoint, read_timeout="1")
         b = run(2, 2, "10.0.0.2", endpoint=own.endpoint, read_timeout="1")
-        failed = record_raises(monkeypatch, a, "_join_step", EtcdConnectionError)
+        failed = record_raises(monkeypatch, a._joiner, "_join_step", EtcdConnectionError)
         own.stop()
         first = Joining(a)  # its first requests fail: etcd is not there
         wait_for(lambda: len(failed) >= 2, 30, what="two join steps that etcd did not answer")

@@ -391,10 +391,10 @@ def test_torchrun_exits_nonzero_naming_the_endpoint_when_etcd_is_unreachable(tmp
 def test_a_waiting_node_wakes_when_the_last_one_joins_not_at_its_next_poll(etcd_endpoint, monkeypatch):
     import threading
 
-    from elastic_ddp.rendezvous import handler as handler_module
+    from elastic_ddp.rendezvous import join as join_module
 
     # Were the waiting node polling, it would now look again only after two minutes.
-    monkeypatch.setattr(handler_module, "_MAX_WAIT_S", 120.0)
+    monkeypatch.setattr(join_module, "_MAX_WAIT_S", 120.0)
     monkeypatch.setenv(plugin.DISABLE_SHARED_STORE_ENV, "1")
     run_id = f"watch-{uuid.uuid4().hex[:8]}"
 
@@ -408,7 +408,7 @@ def test_a_waiting_node_wakes_when_the_last_one_joins_not_at_its_next_poll(etcd_
     waiting = threading.Thread(target=lambda: results.setdefault("first", first.next_rendezvous()), daemon=True)
     try:
         waiting.start()
-        wait_for(lambda: first._registered is not None, 30, what="the first node to register and wait")
+        wait_for(lambda: first._joiner._registered is not None, 30, what="the first node to register and wait")
         info = second.next_rendezvous()
         waiting.join(timeout=30)
         assert not waiting.is_alive(), "the waiting node did not notice the round completing"
