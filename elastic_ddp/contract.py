@@ -44,7 +44,7 @@ ENV_PRESTART_PID = "ELASTIC_DDP_PRESTART_PID"
 
 # --- Set by the user (shell, deploy/ manifests, tests) -------------------------------------------
 
-# "0" turns warm starts off. Read by the agent's handler (rendezvous/handler.py).
+# "0" turns warm starts off. Read by the agent's node services (rendezvous/node.py).
 ENV_PRESTART = "ELASTIC_DDP_PRESTART"
 # The key that signs checkpoint manifests and compile caches. Read by the worker
 # (checkpoint/manifest.py, checkpoint/compiled.py; config/sections.py names it in its advice).
@@ -70,7 +70,7 @@ AGENT_DIR_PREFIX = "elastic_ddp-agent-"
 # the directory, read by later agents' clean-up (rendezvous/agent_dir.py).
 OWNER_FILE = "owner"
 # A worker's invalid settings. Written by the worker (agent_marks.report_settings_error), read by the agent,
-# which then ends the job on every node (rendezvous/handler.py).
+# which then ends the job on every node (rendezvous/node.py reads it, rendezvous/handler.py ends the job).
 SETTINGS_ERROR_FILE = "settings-error.txt"
 # Why the agent is about to stop its workers: nodes of their round are gone, or (all stay) only to
 # admit a joining node. Written by the agent before its signal, read by the worker (worker/stop.py: StopSignal).

@@ -6,7 +6,7 @@ has left the rendezvous. torch's agent leaves only after its workers are gone an
 0.3-0.5 s after the commit here, more on a host with big workers -- and every rank of the job waits
 that long. So a worker whose stop came from outside (not from its agent restarting it for a
 membership change) tells its agent as soon as the stop checkpoint is committed
-(:func:`elastic_ddp.worker.stop.report_leaving`), and the agent's rendezvous handler leaves the round then
+(:func:`elastic_ddp.agent_marks.report_leaving`), and the agent's rendezvous handler leaves the round then
 (:class:`LeavingListener`), while its workers are still on their way out.
 
 The channel is a Unix datagram socket in the agent's directory (``ELASTIC_DDP_SETTINGS_ERROR_DIR``,
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class LeavingListener:
-    """A thread that calls ``on_leaving(why)`` for each worker's :func:`~elastic_ddp.worker.stop.report_leaving`
+    """A thread that calls ``on_leaving(why)`` for each worker's :func:`~elastic_ddp.agent_marks.report_leaving`
     (the callback makes repeats harmless: every worker of the node reports)."""
 
     def __init__(self, directory: str, on_leaving: Callable[[str], None]) -> None:

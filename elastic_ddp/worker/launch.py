@@ -40,7 +40,7 @@ def launch(
     ``config``: the script's :class:`~elastic_ddp.config.Config` subclass (its own sections beside the
     library's), or an instance whose values are the defaults; ``argv`` (default ``sys.argv[1:]``)
     holds ``--config FILE`` and ``--section.field=value`` overrides; ``--help`` (``-h``) prints every
-    setting and exits 0. A bad setting exits :data:`~elastic_ddp.worker.stop.EXIT_CONFIG` (2) before any
+    setting and exits 0. A bad setting exits :data:`~elastic_ddp.contract.EXIT_CONFIG` (2) before any
     process group exists, and ends the whole job, not just this attempt (see
     :func:`~elastic_ddp.worker.exiting.exit_on_settings_error`). An exception is recorded (``failures.jsonl``, torchrun's error
     file) and the worker leaves at once with status 1; a known failure prints one clear line,

@@ -41,7 +41,7 @@ order is not the script's):
    ``train.exit_at_step`` or a stop request -- into node memory only when the stop just admits a
    joining node (every node of the round stays and holds it there).
 4. Teardown: waits for a save in flight, closes the metrics and the process group, and exits 0,
-   or with :data:`~elastic_ddp.worker.stop.EXIT_STOPPED` after a stop (a survivor of a membership change
+   or with :data:`~elastic_ddp.contract.EXIT_STOPPED` after a stop (a survivor of a membership change
    first waits for its agent to restart it; a rank stopped from outside, a preemption, first tells
    its agent that the node leaves, so that the others need not wait for its exit), skipping the
    interpreter's module teardown (0.7 s of every restart with torch imported; threads, ``atexit``

@@ -28,7 +28,6 @@ import json
 import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
