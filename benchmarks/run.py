@@ -1,6 +1,6 @@
 """Run the side-by-side comparisons and write JSON plus a regenerated RESULTS.md.
 
-    python benchmarks/run.py --out /tmp/bench                 # everything, ~15 min; rewrites benchmarks/RESULTS.md
+    python benchmarks/run.py --out /tmp/bench                 # everything, ~35 min; rewrites benchmarks/RESULTS.md
     python benchmarks/run.py --only rendezvous --out /tmp/b   # one comparison (repeatable flag)
     python benchmarks/run.py --smoke --out /tmp/b             # tiny sizes, < 2 min; RESULTS.md goes into --out
     python benchmarks/run.py --render-from /tmp/b1 /tmp/b2    # RESULTS.md from earlier runs' JSON (later wins)
@@ -43,6 +43,7 @@ COMPARISONS = {
     "sampler": "benchmarks.bench_sampler",
     "shards": "benchmarks.bench_shards",
     "training": "benchmarks.bench_training",
+    "protections": "benchmarks.bench_protections",
     "metrics": "benchmarks.bench_metrics",
     "recovery": "benchmarks.bench_recovery",
     "soak": "benchmarks.bench_soak",
