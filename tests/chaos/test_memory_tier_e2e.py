@@ -31,16 +31,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_ddp.tools import checkpoint as ckpt_cli
 from elastic_ddp.checkpoint.manager import list_checkpoints
 from elastic_ddp.checkpoint.storage import Storage
+from elastic_ddp.contract import ENV_FAULT
 from elastic_ddp.data import read_ledger
+from elastic_ddp.tools import checkpoint as ckpt_cli
 from tests.helpers.job import CLASSIFIER, Job, report, resumed_steps
 from tests.helpers.nodes import worker_pids
 
 pytestmark = pytest.mark.slow
 
 MAX_STEPS, DURABLE_EVERY = 200, 50
+# Where a node joining a running job is awaited (after the step the test first waits for, 15-40).
+HOLD = 60
 FLAGS = [
     f"--train.max_steps={MAX_STEPS}", "--train.global_batch_size=16", "--data.ledger=true",
     f"--checkpoint.every_steps={DURABLE_EVERY}", "--checkpoint.keep_last=10", "--checkpoint.memory_every_steps=1",
@@ -48,8 +51,10 @@ FLAGS = [
 ]  # fmt: skip
 
 
-def start(endpoint: str, root: Path, run_id: str, attempt: str, nnodes: str, machines: list[str], flags=FLAGS) -> Job:
-    job = Job(endpoint, root, nnodes=nnodes, run_id=run_id, rdzv_id=f"{run_id}-{attempt}-{uuid.uuid4().hex[:6]}", recipe=CLASSIFIER, flags=flags)
+def start(endpoint: str, root: Path, run_id: str, attempt: str, nnodes: str, machines: list[str], flags=FLAGS,
+          extra_env: dict[str, str] | None = None) -> Job:  # fmt: skip
+    job = Job(endpoint, root, nnodes=nnodes, run_id=run_id, rdzv_id=f"{run_id}-{attempt}-{uuid.uuid4().hex[:6]}",
+              recipe=CLASSIFIER, flags=flags, extra_env=dict(extra_env or {}))  # fmt: skip
     for machine in machines:
         add_machine(job, root, machine)
     return job
@@ -168,15 +173,21 @@ def test_a_node_joining_is_taken_in_from_node_memory_without_a_durable_save_and_
     reference, etcd_endpoint, tmp_path
 ):
     ref_history, _ = reference
-    # Long enough for the newcomer's start (a node joining a running job registers once its
-    # template has imported torch and the library: ~6 s here, ~10x fewer than these steps take);
-    # the sample order does not depend on the run's length, so the reference's 200 steps compare.
+    # The sample order does not depend on the run's length, so the reference's 200 steps compare.
     steps = 6 * MAX_STEPS
-    job = start(etcd_endpoint, tmp_path, "join", "first", "1:3", ["a", "b"], flags=[*FLAGS, f"--train.max_steps={steps}"])
+    # A node joining a running job registers once its template has imported torch and the library
+    # (~6 s here, and several times that on a loaded machine): the first attempt holds at step HOLD
+    # until the newcomer asks to join, so that the run cannot end before it is taken in.
+    joining = tmp_path / "newcomer-joins"
+    job = start(etcd_endpoint, tmp_path, "join", "first", "1:3", ["a", "b"], flags=[*FLAGS, f"--train.max_steps={steps}"],
+                extra_env={ENV_FAULT: f"wait@{HOLD}:restart=0:until={joining}"})  # fmt: skip
     try:
         job.wait_for_step(random.randint(15, 40), world_size=2)
         mark, t0 = job.mark(), time.monotonic()
         add_machine(job, tmp_path, "c")  # a new machine: its memory is empty
+        newcomer = job.nodes[-1]
+        job.wait_until(lambda: "attempts to join the next round" in newcomer.output(), 180, "the new node's join")
+        joining.touch()
         recovery_s = job.wait_for_training_since(mark, t0, world_size=3)
         after = job.output_since(mark)
         before = max(s for s, w in job.progress() if w == 2)
