@@ -434,9 +434,10 @@ class Run:
                 self.failures.step = self.step
                 stop = agreement.after_step(memory.report() if memory is not None else (0.0,) * REPORT_SIZE)
                 exiting = self.step == end
-                loss = None
-                if data.ledger or metrics.should_log(self.step):
-                    loss = self._global_loss(step)
+                # The loss is all-reduced (a host sync) only where it is recorded: every step for the ledger,
+                # else at the logged steps; metrics follow their own cadence either way.
+                logged = metrics.should_log(self.step)
+                loss = self._global_loss(step) if data.ledger or logged else None
                 ledger.finished(self.step, loss if loss is not None else float("nan"))
                 if session.compiled is not None and self.step == first_step:
                     # Once an attempt's first step compiled (or loaded) the model: for nodes that join.
@@ -454,7 +455,7 @@ class Run:
                 in_memory = stop and not exiting and not agreement.durable and self._commit_to_memory()
                 if not in_memory and (stop or exiting or (every and self.step % every == 0)):
                     self._save(blocking=stop or exiting)
-                if loss is not None:
+                if logged:
                     collector.log(self.step, loss, step.scalars)
                 if stop:
                     self.ended = stop_ended(self._stop_signal.requested)

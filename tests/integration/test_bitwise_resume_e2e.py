@@ -57,6 +57,14 @@ def losses(root: Path, name: str) -> list[float]:
     return [entry.loss for entry in history.values()]
 
 
+def logged_steps(tensorboard_dir: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return [event.step for event in events.Scalars(tag)]
+
+
 # Every script at 3 ranks, where a sum over ranks first depends on its order; the BatchNorm + EMA
 # script, whose ranks each keep buffers of their own, at 4 as well (another reduction schedule).
 @pytest.mark.parametrize(("script", "ranks"), [("lm", 3), ("classifier", 3), ("batchnorm", 3), ("batchnorm", 4)])
@@ -68,6 +76,9 @@ def test_a_run_stopped_at_20_and_resumed_ends_bitwise_equal_to_an_uninterrupted_
         # The memory tier holds step 20 too; the durable tier is what a new machine would resume.
         output = launch(tmp_path, script, "resumed", ranks, "--checkpoint.memory_overhead=0")
         whole.result()
+    # The ledger records every step; the metrics keep their own cadence (every 10 steps).
+    logged = logged_steps(tmp_path / "whole" / "tensorboard", "train/loss")
+    assert logged and set(logged) <= {1, *range(10, STEPS + 1, 10)}, logged
     assert f"Resumed from the durable tier at step {HALF}" in output, output[-4000:]
     assert losses(tmp_path, "resumed") == losses(tmp_path, "whole")
     want, got = exported(tmp_path, "whole", "model"), exported(tmp_path, "resumed", "model")
