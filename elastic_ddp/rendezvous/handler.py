@@ -64,7 +64,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.contract import ENV_RDZV_ROUND
 from elastic_ddp.etcd import EtcdClient, EtcdError
 from elastic_ddp.rendezvous.join import InvalidSettingsError, JoinExecutor
 from elastic_ddp.rendezvous.node import NodeServices
@@ -72,7 +71,7 @@ from elastic_ddp.rendezvous.rounds import COMPLETE, MAX_REASON_LENGTH
 from elastic_ddp.rendezvous.settings import HandlerSettings
 from elastic_ddp.rendezvous.store import EtcdV3Store
 
-__all__ = ["ENV_RDZV_ROUND", "EtcdRendezvousHandler", "HandlerSettings", "InvalidSettingsError"]
+__all__ = ["EtcdRendezvousHandler", "HandlerSettings", "InvalidSettingsError"]
 
 log = logging.getLogger(__name__)
 

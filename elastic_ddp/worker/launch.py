@@ -76,6 +76,8 @@ def launch(
             try:
                 main(run)
             except Exception:
+                # Whatever the script's step raised (a peer lost mid-collective, its own error): keep the last
+                # completed step in node memory for the restart, then let the failure be reported below.
                 run._keep_failed_step()
                 raise
         code = run.finish()

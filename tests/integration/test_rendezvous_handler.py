@@ -34,7 +34,8 @@ from elastic_ddp.rendezvous import plugin
 from elastic_ddp.etcd import EtcdClient, EtcdConnectionError, Range
 from elastic_ddp.rendezvous import join as join_module
 from elastic_ddp.rendezvous import node as node_module
-from elastic_ddp.rendezvous.handler import ENV_RDZV_ROUND, EtcdRendezvousHandler, InvalidSettingsError
+from elastic_ddp.contract import ENV_RDZV_ROUND
+from elastic_ddp.rendezvous.handler import EtcdRendezvousHandler, InvalidSettingsError
 from elastic_ddp.rendezvous.liveness import LivenessListener
 from elastic_ddp.rendezvous.rounds import LAST_CALL, RoundRecord, node_key
 from elastic_ddp.rendezvous.view import RunKeys
