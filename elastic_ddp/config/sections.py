@@ -468,6 +468,15 @@ class DistConfig(Section):
             "restarts it anyway."
         ),
     )
+    stop_check_s: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "Seconds of steps between the ranks' checks for a stop request (a few bytes all-reduced on a gloo "
+            "group beside the step): a SIGTERM stops the job at the same step on every rank at most this long "
+            "plus two steps after it arrives. 0: after every step, which a step of a few ms pays for."
+        ),
+    )
     stable_buckets: bool = Field(
         default=True,
         description=(

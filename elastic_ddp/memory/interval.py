@@ -2,8 +2,8 @@
 
 Each rank measures its steps (without a save's stall), the cost of its saves and its background
 writes (:class:`IntervalController`), and reports the medians of the recent ones (:class:`Report`).
-The reports ride on the per-step stop agreement (:class:`elastic_ddp.worker.stop.StopAgreement`: an
-all-reduce with ``MAX`` that runs after every step anyway, and the only per-step collective), so every
+The reports ride on the stop agreement (:class:`elastic_ddp.worker.stop.StopAgreement`: an
+all-reduce with ``MAX`` that runs every ``dist.stop_check_s`` seconds of steps anyway), so every
 rank gets the largest of each at the same step and computes the same interval from it
 (:func:`elastic_ddp.memory.policy.interval`): every rank saves the same steps without a collective of
 its own. The controller only measures and decides; the caller carries its report to the agreement
@@ -48,7 +48,7 @@ PHASE_HISTORY = 512
 
 
 class Report(NamedTuple):
-    """One rank's numbers on the per-step stop agreement, and (the maximum over the ranks) what was agreed.
+    """One rank's numbers on the stop agreement, and (the maximum over the ranks) what was agreed.
 
     ``cost_s``, ``step_s``, ``write_s``: the medians of the recent save costs, step times without a
     save's stall, and background writes (zeros before the first of each); ``untold``: 1.0 while the
@@ -68,7 +68,7 @@ class Report(NamedTuple):
         return cls(*agreed[: len(cls._fields)])
 
 
-# The numbers each rank puts on the per-step agreement.
+# The numbers each rank puts on the stop agreement.
 REPORT_SIZE = len(Report._fields)
 
 

@@ -93,7 +93,7 @@ class SplitCheck:
     a share of them (elastic_ddp/checkpoint/divergence.py: Plan): decided at the first save and checked
     at every later one; a save the check finds stale is skipped.
 
-    Collective, on every rank alike (a rank whose last write failed too, until the per-step agreement
+    Collective, on every rank alike (a rank whose last write failed too, until the stop agreement
     turns the tier off everywhere): decided once, blocking, then checked at each save by one
     all-reduce that the save does not wait for -- its write does (see :meth:`_start_check`).
     """

@@ -10,10 +10,11 @@
 * :mod:`elastic_ddp.memory.survey` -- at a start: the survey of every node's memory and the
   restore by broadcast from the node that holds the chosen state.
 
-The one per-step collective is not the tier's: each rank's :meth:`MemoryTier.report`
-(:class:`~elastic_ddp.memory.interval.Report`, ``REPORT_SIZE`` numbers) rides on the per-step stop
-agreement (:class:`elastic_ddp.worker.stop.StopAgreement`), and the caller hands the agreed maxima back to
-:meth:`MemoryTier.after_step`, so every rank saves the same steps without another collective.
+The tier has no collective of its own between saves: each rank's :meth:`MemoryTier.report`
+(:class:`~elastic_ddp.memory.interval.Report`, ``REPORT_SIZE`` numbers) rides on the stop agreement
+(:class:`elastic_ddp.worker.stop.StopAgreement`, every ``dist.stop_check_s`` seconds of steps), and the
+caller hands the agreed maxima back to :meth:`MemoryTier.after_step`, so every rank saves the same
+steps without another collective.
 """
 
 from __future__ import annotations
@@ -169,8 +170,9 @@ class MemoryTier:
     # ------------------------------------------------------------------------------------- save
 
     def after_step(self, step: int, state: Mapping[str, Any], agreed: tuple[float, ...] | None) -> None:
-        """Called by every rank after each step with what the per-step agreement agreed (the maxima of the
-        ranks' :meth:`report`, or None): note the step, adopt the agreed interval, save when due."""
+        """Called by every rank after each step with what the stop agreement agreed at this step (the
+        maxima of the ranks' :meth:`report`; None at a step where nothing was agreed): note the step,
+        adopt the agreed interval, save when due."""
         if not self.enabled or self.failed:
             return
         if agreed is not None and Report.of(agreed).failed > 0:
@@ -273,7 +275,7 @@ class MemoryTier:
         return save_cost(times.stall_s, direct, self._interval.background_s)
 
     def report(self) -> Report:
-        """This rank's share of the per-step agreement (:class:`~elastic_ddp.memory.interval.Report`)."""
+        """This rank's share of the stop agreement (:class:`~elastic_ddp.memory.interval.Report`)."""
         return self._interval.report(failed=self._saver.local_failure is not None)
 
     # What run.py, the benchmarks and the tests read: the parts' numbers under the tier's names.

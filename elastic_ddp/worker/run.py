@@ -406,7 +406,7 @@ class Run:
         memory, metrics, every, guard = session.memory, session.metrics, self.cfg.checkpoint.every_steps, session.guard
         if isinstance(dataset, Shards) and dataset.skipped and self.rank == 0:
             _report_skipped(dataset.skipped, ledger, metrics)
-        agreement = StopAgreement(self._stop_signal, self._control, values=REPORT_SIZE)
+        agreement = StopAgreement(self._stop_signal, self._control, values=REPORT_SIZE, period_s=self.cfg.dist.stop_check_s)
         if self.step >= end:
             log.info("[%d/%d] Nothing to train: the run is at step %d of %d.", self.rank, self.step, self.step, end)
             self.ended = ENDED_FINISHED
@@ -432,7 +432,7 @@ class Run:
                 if guard is not None:
                     guard.end()
                 self.failures.step = self.step
-                stop = agreement.after_step(memory.report() if memory is not None else (0.0,) * REPORT_SIZE)
+                stop = agreement.after_step(memory.report if memory is not None else None)
                 exiting = self.step == end
                 # The loss is all-reduced (a host sync) only where it is recorded: every step for the ledger,
                 # else at the logged steps; metrics follow their own cadence either way.

@@ -5,9 +5,9 @@ once with :data:`EXIT_STOPPED` -- also while it waits in C++ for its peers in pr
 (:class:`StopSignal`). From the loop's start, stopping is cooperative. SIGTERM (what Kubernetes,
 Slurm and torchrun send on preemption or before restarting a worker group) only sets a flag. Every
 rank adds its flag to a tiny all-reduce on a gloo group of its own (:class:`StopAgreement`), started
-after one step and read after the next, so it never waits on the GPU or on the network: all ranks
-learn of a stop at the same step boundary -- at most two steps after the signal -- and commit a
-checkpoint of that same step.
+every ``dist.stop_check_s`` seconds of steps and read after the next step, so it never waits on
+the GPU or on the network: all ranks learn of a stop at the same step boundary -- at most that
+period plus two steps after the signal -- and commit a checkpoint of that same step.
 
 After that checkpoint a rank that received the signal itself exits (:data:`EXIT_STOPPED`). A rank
 that did not -- a survivor of a preemption elsewhere -- waits (:func:`wait_for_restart`) until its
@@ -37,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -54,9 +55,9 @@ from elastic_ddp.contract import (
 __all__ = [
     "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "LEAVING_SOCKET", "MAX_LEAVING_MESSAGE", "EXIT_CONFIG", "EXIT_FAILED",
     "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
-    "StopAgreement", "StopSignal", "clear_restart_marks", "exit_when_orphaned", "flush_and_exit", "members_gone",
+    "MAX_STEPS_BETWEEN_AGREEMENTS", "StopAgreement", "StopSignal", "clear_restart_marks", "exit_when_orphaned", "flush_and_exit", "members_gone",
     "nodes_joining", "read_settings_error", "report_leaving", "report_members_gone", "report_nodes_joining",
-    "report_settings_error", "wait_for_restart",
+    "report_settings_error", "steps_between", "wait_for_restart",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -251,57 +252,95 @@ def flush_and_exit(status: int) -> NoReturn:
 class StopAgreement:
     """Whether any rank was asked to stop, agreed by all ranks at the same step, off the critical path.
 
-    :meth:`after_step` is called by every rank once per step. It reads the result of the all-reduce
-    it started after the previous step (long finished by now: a few bytes over gloo while the GPU
-    computed a step) and starts the next one with this rank's flag. So all ranks see the same value
-    at the same step; a signal during step ``k`` stops the job after step ``k + 1``. The flag is a
-    CPU tensor on a gloo group of its own: no GPU synchronisation, no interleaving with the
-    gradient all-reduces or the checkpoint's collectives. Without a process group (one rank) the
-    flag is read directly.
+    :meth:`after_step` is called by every rank once per step. Every ``period_s`` seconds of steps
+    (``dist.stop_check_s``) it starts a tiny all-reduce of this rank's flag, and reads its result
+    after the next step (long finished by then: a few bytes over gloo while the GPU computed a
+    step). So all ranks see the same value at the same step, and a signal stops the job at most
+    ``period_s`` plus two steps after it arrived. The flag is a CPU tensor on a gloo group of its
+    own: no GPU synchronisation, no interleaving with the gradient all-reduces or the checkpoint's
+    collectives. Without a process group (one rank) the flag is read directly, every step.
+
+    Why a period and not every step: each all-reduce wakes a gloo thread on every rank and a round
+    of messages between them, which a fast step (a few ms on a CPU, or a small model) pays as
+    several percent. The steps between two agreements are counted, not timed, so that every rank
+    starts the next one at the same step: each agreement also carries this rank's mean step time
+    since the previous one, and every rank derives the same count from the agreed maximum
+    (:func:`steps_between`). ``period_s=0`` agrees after every step.
 
     With the stop, whether it needs the durable tier (:attr:`durable`): True unless every rank that
     was signalled by then was stopped by its agent only to admit a joining node
     (:attr:`StopSignal.for_join`); a rank not signalled yet has no say.
 
-    ``values`` more numbers ride on the same all-reduce (the maximum over ranks is agreed): each
-    :meth:`after_step` passes this rank's, and :attr:`agreed` then holds the maxima of the ones
-    passed one step earlier -- the same tuple on every rank at the same step, for decisions all
-    ranks must take alike (the memory tier's save interval) without a collective of their own.
+    ``values`` more numbers ride on the same all-reduce (the maximum over ranks is agreed): at each
+    agreement :meth:`after_step` asks the caller for this rank's (``report``), and :attr:`agreed`
+    holds the maxima one step later -- the same tuple on every rank at the same step, None at steps
+    where nothing new was agreed -- for decisions all ranks must take alike (the memory tier's save
+    interval) without a collective of their own.
     """
 
-    def __init__(self, stop_signal: StopSignal, group: Any = None, values: int = 0) -> None:
+    def __init__(
+        self,
+        stop_signal: StopSignal,
+        group: Any = None,
+        values: int = 0,
+        period_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._signal = stop_signal
         self._group = group
         self._values = values
-        # [stop, stop from outside (the durable tier needed), values...]
-        self._buffer = torch.zeros(2 + values, dtype=torch.float64)
+        self._period_s = period_s
+        self._clock = clock
+        # [stop, stop from outside (the durable tier needed), mean step time since the last start, values...]
+        self._buffer = torch.zeros(3 + values, dtype=torch.float64)
         self._pending: Any = None
+        self._until_next = 1  # calls until the next all-reduce starts, this one included
+        self._started: tuple[float, int] | None = None  # (when the last all-reduce started, steps since)
         self.agreed: tuple[float, ...] | None = None
         self.durable = True
 
-    def after_step(self, values: tuple[float, ...] = ()) -> bool:
-        """True when every rank must stop after the step just completed; ``values``: this rank's numbers."""
-        if len(values) != self._values:
-            raise ValueError(f"StopAgreement was made for {self._values} value(s) per step, got {len(values)}.")
+    def after_step(self, report: Callable[[], Sequence[float]] | None = None) -> bool:
+        """True when every rank must stop after the step just completed. ``report``: this rank's
+        ``values`` numbers, called only when an all-reduce starts (zeros without it)."""
         if self._group is None:
-            self.agreed = tuple(float(v) for v in values) if values else None
+            values = self._own_values(report)
+            self.agreed = values if self._values else None
             self.durable = self._from_outside()
             return self._signal.requested
+        self.agreed = None
+        if self._started is not None:
+            self._started = (self._started[0], self._started[1] + 1)
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
             result = self._buffer.tolist()
-            self.agreed = tuple(result[2:]) if self._values else None
+            self.agreed = tuple(result[3:]) if self._values else None
             if result[0] > 0:
                 self.durable = result[1] > 0
                 return True
+            # From the agreed maximum: the same count on every rank, counted from the step of the start.
+            self._until_next = steps_between(self._period_s, result[2])
+        self._until_next -= 1
+        if self._until_next > 0:
+            return False
+        values = self._own_values(report)
+        now = self._clock()
+        last = self._started
         self._buffer[0] = 1.0 if self._signal.requested else 0.0
         self._buffer[1] = 1.0 if self._from_outside() else 0.0
-        for i, value in enumerate(values, start=2):
+        self._buffer[2] = (now - last[0]) / last[1] if last is not None and last[1] > 0 else 0.0
+        for i, value in enumerate(values, start=3):
             self._buffer[i] = float(value)
-        # MAX: the flag is set if any rank's is, and each value is the largest any rank reported.
+        self._started = (now, 0)
+        # MAX: the flag is set if any rank's is, and each number is the largest any rank reported.
         self._pending = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return False
+
+    def _own_values(self, report: Callable[[], Sequence[float]] | None) -> tuple[float, ...]:
+        values = tuple(float(v) for v in report()) if report is not None else (0.0,) * self._values
+        if len(values) != self._values:
+            raise ValueError(f"StopAgreement was made for {self._values} value(s) per agreement, got {len(values)}.")
+        return values
 
     def _from_outside(self) -> bool:
         return self._signal.requested and self._signal.for_join is None
@@ -311,6 +350,20 @@ class StopAgreement:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+
+
+# Most steps between two stop agreements, however short a step: a bound on a stop's delay in steps
+# when the clock says little (steps of microseconds).
+MAX_STEPS_BETWEEN_AGREEMENTS = 1000
+
+
+def steps_between(period_s: float, step_s: float) -> int:
+    """Steps from one stop agreement's start to the next: ``period_s`` worth of steps of ``step_s``
+    (the agreed mean step time; 0: not measured yet), at least 1, at most
+    :data:`MAX_STEPS_BETWEEN_AGREEMENTS`. Every rank computes it from the same agreed numbers."""
+    if period_s <= 0 or step_s <= 0:
+        return 1
+    return max(1, min(MAX_STEPS_BETWEEN_AGREEMENTS, int(period_s / step_s)))
 
 
 def wait_for_restart(stop_signal: StopSignal, timeout_s: float) -> int:

@@ -1,7 +1,7 @@
 """The memory tier's interval controller alone: measurements in, the agreed interval out.
 
 No process group, no node memory and no saves: a clock the test moves, and the numbers the
-per-step agreement would carry handed in directly (tests/unit/test_memory_tier.py drives the same
+stop agreement would carry handed in directly (tests/unit/test_memory_tier.py drives the same
 controller through a real tier).
 """
 

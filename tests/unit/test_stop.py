@@ -25,6 +25,7 @@ from elastic_ddp.worker.stop import (
     EXIT_ORPHANED,
     EXIT_STOPPED,
     EXIT_STOP_TIMEOUT,
+    MAX_STEPS_BETWEEN_AGREEMENTS,
     StopAgreement,
     StopSignal,
     clear_restart_marks,
@@ -34,6 +35,7 @@ from elastic_ddp.worker.stop import (
     report_members_gone,
     report_nodes_joining,
     report_settings_error,
+    steps_between,
     wait_for_restart,
 )
 from tests.helpers.nodes import wait_for
@@ -363,10 +365,10 @@ def test_three_ranks_agree_a_stop_needs_no_durable_tier_only_when_every_signalle
 def test_without_a_group_the_values_are_agreed_as_passed():
     agreement = StopAgreement(types.SimpleNamespace(requested=False, for_join=None), group=None, values=2)
     assert agreement.agreed is None
-    assert agreement.after_step((0.5, 2.0)) is False
+    assert agreement.after_step(lambda: (0.5, 2.0)) is False
     assert agreement.agreed == (0.5, 2.0)
     with pytest.raises(ValueError, match="made for 2 value"):
-        agreement.after_step((1.0,))
+        agreement.after_step(lambda: (1.0,))
 
 
 _VALUES_WORKER = """
@@ -382,7 +384,7 @@ seen = []
 for step in range(1, 5):
     # rank 0 reports a large first value, rank 1 a large second one; both change per step
     mine = (10.0 * step, 1.0) if rank == 0 else (1.0, 100.0 * step)
-    stop = agreement.after_step(mine)
+    stop = agreement.after_step(lambda: mine)
     seen.append([stop, None if agreement.agreed is None else list(agreement.agreed)])
 agreement.close()
 print(json.dumps(seen), flush=True)
@@ -395,6 +397,55 @@ def test_values_ride_on_the_agreement_and_every_rank_sees_the_maxima_one_step_la
     expected = [[False, None]] + [[False, [10.0 * (step - 1), 100.0 * (step - 1)]] for step in range(2, 5)]
     for rank in run_ranks(tmp_path, _VALUES_WORKER, 2):
         assert json.loads(rank.stdout) == expected
+
+
+
+_PERIOD_WORKER = """
+import json, sys, types
+import torch.distributed as dist
+from elastic_ddp.worker.stop import StopAgreement
+
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3)
+group = dist.new_group(backend="gloo")
+now = [0.0]
+step_s = [0.1, 0.25, 0.2][rank]  # the ranks' own step times; the slowest sets the pace for all
+flag = types.SimpleNamespace(requested=False, for_join=None)
+agreement = StopAgreement(flag, group, values=1, period_s=1.0, clock=lambda: now[0])
+reports, agreed_at, stopped_at = [], [], None
+for step in range(1, 30):
+    now[0] += step_s
+    if rank == 2 and step == 8:
+        flag.requested = True  # the signal arrives during step 8
+    def report(step=step):
+        reports.append(step)
+        return (float(step),)
+    if agreement.after_step(report):
+        stopped_at = step
+        break
+    if agreement.agreed is not None:
+        agreed_at.append([step, agreement.agreed[0]])
+agreement.close()
+print(json.dumps({"reports": reports, "agreed": agreed_at, "stopped": stopped_at}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_with_a_period_every_rank_agrees_at_the_same_steps_paced_by_the_slowest_rank(tmp_path):
+    # Starts after steps 1 and 2 (no step time agreed yet), then every 1.0 s / 0.25 s = 4 steps: 6, 10.
+    # Each is read one step later; the signal of step 8 rides on the start after step 10.
+    for rank in run_ranks(tmp_path, _PERIOD_WORKER, 3):
+        seen = json.loads(rank.stdout)
+        assert seen == {"reports": [1, 2, 6, 10], "agreed": [[2, 1.0], [3, 2.0], [7, 6.0]], "stopped": 11}
+
+
+@pytest.mark.parametrize(
+    ("period_s", "step_s", "expected"),
+    [(0.0, 0.05, 1), (1.0, 0.0, 1), (1.0, 2.0, 1), (1.0, 0.05, 20), (1.0, 0.3, 3), (1.0, 1e-6, MAX_STEPS_BETWEEN_AGREEMENTS)],
+)
+def test_the_steps_between_agreements_are_a_period_of_steps_within_bounds(period_s, step_s, expected):
+    assert steps_between(period_s, step_s) == expected
 
 
 # --- after the stop checkpoint ---------------------------------------------------------------
