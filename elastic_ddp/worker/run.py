@@ -55,12 +55,10 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -88,6 +86,7 @@ from elastic_ddp.worker.lifecycle import (
 )  # fmt: skip
 from elastic_ddp.worker.metrics import Metrics, create_metrics
 from elastic_ddp.worker.resume import Resumed, init_from, record_lost_history, record_resume, resume
+from elastic_ddp.worker.seeding import StepSeeder, seed_everything
 from elastic_ddp.worker.step import DataState, Step
 from elastic_ddp.worker.step_guard import StepGuard
 from elastic_ddp.worker.step_metrics import StepMetrics, timed
@@ -99,13 +98,6 @@ log = logging.getLogger(__name__)
 
 # Names the run gives the objects it registers itself; a script's own objects take other names.
 MODEL, OPTIMIZER, SCHEDULER, DATA = "model", "optimizer", "scheduler", "data"
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), Python's ``random`` and NumPy's global generator with ``seed``."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
 
 
 def _registered(name: str, obj: object) -> Stateful:
@@ -171,6 +163,7 @@ class Run:
         configure_logging(f"rank {self._ctx.rank}")
         self._control = new_gloo_group(cfg.dist.timeout_s)
         seed_everything(cfg.train.seed)  # the same initial weights on every rank
+        self._step_seeder = StepSeeder()  # after the device is chosen: the families this process can use
         self.failures = FailureReport(
             cfg.run.dir, rank=self.rank, restart_count=self._ctx.restart_count,
             max_restarts=int(os.environ.get(ENV_MAX_RESTARTS, "0")),
@@ -513,7 +506,7 @@ class Run:
         # seed, this rank and the step: what a step draws is a function of (seed, rank, step), so a
         # resume from any checkpoint at the same world size draws exactly what the uninterrupted run
         # drew -- plain nn.Dropout included -- with no generator state to store or lose with a node.
-        seed_everything(derive_seed("step", self.cfg.train.seed, self.rank, step))
+        self._step_seeder(derive_seed("step", self.cfg.train.seed, self.rank, step))
 
     def _global_loss(self, step: Step) -> float:
         totals = step._loss_and_samples()

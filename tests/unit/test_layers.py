@@ -25,7 +25,7 @@ ROOT = PACKAGE.parent
 # contract stands alone below them all: every module may import it.
 LAYERS: list[set[str]] = [
     {"contract"},
-    {"config", "logs", "processes", "faults", "state", "etcd", "worker.ddp_buckets"},
+    {"config", "logs", "processes", "faults", "state", "etcd", "worker.ddp_buckets", "worker.seeding"},
     {"agent_marks"},
     {"worker.distributed", "worker.stop", "prestart", "checkpoint"},
     {"data", "worker.exiting", "worker.failures", "worker.lifecycle", "memory", "rendezvous"},

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from elastic_ddp.data import ORDER_VERSION, DataCursor, ElasticSampler, make_step_batch, sample_seeds
-from elastic_ddp.worker.run import RunError, seed_everything
+from elastic_ddp.worker.run import RunError
+from elastic_ddp.worker.seeding import StepSeeder, seed_everything
 from elastic_ddp.worker.step import DataState, Step
 
 
@@ -325,6 +326,26 @@ def test_seed_everything_seeds_torch_python_and_numpy_alike():
     seed_everything(2**40 + 6)
     other = draws()
     assert all(a != b for a, b in zip(other, expected))
+
+
+def test_the_step_seeder_draws_what_seed_everything_draws():
+    seeder = StepSeeder()
+    for seed in (0, 5, 2**40 + 5, 2**63 - 1):
+        seed_everything(seed)
+        expected = draws()
+        torch.rand(3)  # move every generator on before the step seeder resets them
+        random.random()
+        np.random.rand()
+        seeder(seed)
+        assert draws() == expected
+
+
+def test_the_step_seeder_seeds_through_torch_where_another_accelerator_family_is_available(monkeypatch):
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    calls = []
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: calls.append(seed))
+    StepSeeder()(7)
+    assert calls == [7]
 
 
 # --- launch(): a one-rank job in a process of its own ----------------------------------------
