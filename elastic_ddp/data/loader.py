@@ -216,13 +216,17 @@ def make_step_batch(
     world_size: int,
     micro_batch_size: int = 0,
     collate_fn: Callable[[list[Any]], Any] = default_collate,
+    rank_indices: list[int] | None = None,
 ) -> StepBatch:
     """The batch of step ``step`` for ``rank``, starting at ``cursor`` (a pure function).
 
     Only this rank's share of the global batch is computed and read from ``dataset``.
+    ``rank_indices``: that share, when the caller computed it already (:meth:`ElasticSampler.shares`).
     """
-    start, stop = rank_bounds(sampler.global_batch_size, rank, world_size)
-    mine = sampler.slice_at(cursor, start, stop)
+    if rank_indices is None:
+        start, stop = rank_bounds(sampler.global_batch_size, rank, world_size)
+        rank_indices = sampler.slice_at(cursor, start, stop)
+    mine = rank_indices
     batches = []
     for chunk in micro_batches(mine, micro_batch_size):
         data = collate_fn(read_samples(dataset, chunk))
@@ -235,6 +239,11 @@ def make_step_batch(
         data = collate_fn(read_samples(dataset, chunk))
         batches.append(MicroBatch(chunk, data, 0.0, step, sampler.seed, dummy=True))
     return StepBatch(step, mine, batches, sampler.advance(cursor, 1))
+
+
+# Steps whose shares StepBatches computes at once: the permutation's fixed cost per call spread over
+# them, for the memory of 64 shares of indices (a few KB at any scale: a rank's share of a step).
+SHARES_AHEAD = 64
 
 
 class _StepDataset(Dataset):
@@ -302,6 +311,7 @@ class StepBatches:
         self.prefetch_batches = prefetch_batches
         self.collate_fn = collate_fn or default_collate
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._ahead: tuple[int, list[list[int]]] | None = None  # (first offset, this rank's shares from it)
 
     def __len__(self) -> int:
         return self.num_steps
@@ -319,7 +329,18 @@ class StepBatches:
             self.world_size,
             self.micro_batch_size,
             self.collate_fn,
+            self._rank_indices(offset),
         )
+
+    def _rank_indices(self, offset: int) -> list[int]:
+        """This rank's share of the step ``offset`` steps after the start, computed with the shares of
+        the steps around it (:data:`SHARES_AHEAD` at a time, see :meth:`ElasticSampler.shares`)."""
+        first = offset - offset % SHARES_AHEAD
+        if self._ahead is None or self._ahead[0] != first:
+            start, stop = rank_bounds(self.sampler.global_batch_size, self.rank, self.world_size)
+            count = min(SHARES_AHEAD, self.num_steps - first)
+            self._ahead = (first, self.sampler.shares(self.sampler.advance(self.start, first), start, stop, count))
+        return self._ahead[1][offset - first]
 
     def __iter__(self) -> Iterator[StepBatch]:
         if self.num_workers == 0:

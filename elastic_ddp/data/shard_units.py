@@ -359,17 +359,9 @@ class UnitOrder(ElasticSampler):
             return self.records_at(epoch, pos)
         return epoch * self.num_samples + pos
 
-    def slice_at(self, cursor: DataCursor, start: int, stop: int) -> list[int]:
-        """Samples ``start..stop-1`` of the global batch that begins at ``cursor``."""
-        self._check(cursor)
-        if not 0 <= start <= stop <= self.global_batch_size:
-            raise ValueError(f"A slice {start}:{stop} of a global batch of {self.global_batch_size} is out of range.")
-        firsts = cursor.consumed + np.arange(start, stop, dtype=np.int64) * self.sample_units
-        epochs, units = cursor.epoch + firsts // self.num_samples, firsts % self.num_samples
-        out: list[int] = []
-        for epoch in np.unique(epochs).tolist():
-            out += self.indices(epoch, units[epochs == epoch]).tolist()
-        return out
+    @property
+    def _units_per_sample(self) -> int:  # ElasticSampler.shares: a sample's first unit every sample_units
+        return self.sample_units
 
     def advance(self, cursor: DataCursor, steps: int) -> DataCursor:
         self._check(cursor)

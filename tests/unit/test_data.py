@@ -249,6 +249,31 @@ def test_slice_at_equals_slicing_the_whole_global_batch(num_samples, batch_size)
         sampler.slice_at(DataCursor(), 2, batch_size + 1)
 
 
+
+@pytest.mark.parametrize("num_samples,batch_size", [(23, 10), (3, 8), (1000, 30)])
+def test_shares_of_many_steps_at_once_are_each_steps_slice(num_samples, batch_size):
+    sampler = ElasticSampler(num_samples, batch_size, seed=5)
+    for cursor in (DataCursor(), DataCursor(2, num_samples - 1)):
+        for start, stop in ((0, batch_size), (1, batch_size // 2 + 1), (3, 3)):
+            expected, at = [], cursor
+            for _ in range(70):  # across epochs (every one of them for the small datasets)
+                whole, at = sampler.batch_at(at)
+                expected.append(whole[start:stop])
+            assert sampler.shares(cursor, start, stop, 70) == expected
+    assert sampler.shares(DataCursor(), 0, 1, 0) == []
+
+
+@pytest.mark.parametrize("start_step", [0, 5, 63])
+def test_step_batches_computed_ahead_are_the_pure_function_of_each_step(start_step):
+    dataset = list(range(37))
+    sampler = ElasticSampler(len(dataset), 8, seed=3)
+    start = sampler.advance(DataCursor(), start_step)
+    batches = StepBatches(dataset, sampler, start, rank=1, world_size=3, num_steps=150, start_step=start_step)
+    for offset, batch in enumerate(batches):
+        alone = make_step_batch(dataset, sampler, sampler.advance(start, offset), start_step + offset + 1, 1, 3)
+        assert batch.rank_indices == alone.rank_indices and batch.cursor_after == alone.cursor_after, offset
+
+
 def test_cursor_state_round_trips_through_json_and_rejects_bad_values():
     cursor = DataCursor(epoch=2, consumed=17)
     assert DataCursor.from_state_dict(json.loads(json.dumps(cursor.state_dict()))) == cursor
