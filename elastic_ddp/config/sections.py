@@ -473,8 +473,9 @@ class DistConfig(Section):
         ge=0,
         description=(
             "Seconds of steps between the ranks' checks for a stop request (a few bytes all-reduced on a gloo "
-            "group beside the step): a SIGTERM stops the job at the same step on every rank at most this long "
-            "plus two steps after it arrives. 0: after every step, which a step of a few ms pays for."
+            "group beside the steps, each read at the next check): a SIGTERM stops the job at the same step on "
+            "every rank at most twice this long plus two steps after it arrives. 0: at every step, which a step "
+            "of a few ms pays for."
         ),
     )
     stable_buckets: bool = Field(

@@ -5,9 +5,9 @@ once with :data:`EXIT_STOPPED` -- also while it waits in C++ for its peers in pr
 (:class:`StopSignal`). From the loop's start, stopping is cooperative. SIGTERM (what Kubernetes,
 Slurm and torchrun send on preemption or before restarting a worker group) only sets a flag. Every
 rank adds its flag to a tiny all-reduce on a gloo group of its own (:class:`StopAgreement`), started
-every ``dist.stop_check_s`` seconds of steps and read after the next step, so it never waits on
-the GPU or on the network: all ranks learn of a stop at the same step boundary -- at most that
-period plus two steps after the signal -- and commit a checkpoint of that same step.
+every ``dist.stop_check_s`` seconds of steps and read at the next of those, so it never waits on
+the GPU or on the network: all ranks learn of a stop at the same step boundary -- at most two
+such periods (and two steps) after the signal -- and commit a checkpoint of that same step.
 
 After that checkpoint a rank that received the signal itself exits (:data:`EXIT_STOPPED`). A rank
 that did not -- a survivor of a preemption elsewhere -- waits (:func:`wait_for_restart`) until its
@@ -53,11 +53,11 @@ from elastic_ddp.contract import (
 )  # fmt: skip
 
 __all__ = [
-    "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "LEAVING_SOCKET", "MAX_LEAVING_MESSAGE", "EXIT_CONFIG", "EXIT_FAILED",
-    "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
-    "MAX_STEPS_BETWEEN_AGREEMENTS", "StopAgreement", "StopSignal", "clear_restart_marks", "exit_when_orphaned", "flush_and_exit", "members_gone",
-    "nodes_joining", "read_settings_error", "report_leaving", "report_members_gone", "report_nodes_joining",
-    "report_settings_error", "steps_between", "wait_for_restart",
+    "ENV_AGENT_PID", "ENV_SETTINGS_ERROR_DIR", "LEAVING_SOCKET", "MAX_LEAVING_MESSAGE", "EXIT_CONFIG",
+    "EXIT_FAILED", "EXIT_NOT_RESTARTED", "EXIT_ORPHANED", "EXIT_STOPPED", "EXIT_STOP_TIMEOUT",
+    "MAX_STEPS_BETWEEN_AGREEMENTS", "StopAgreement", "StopSignal", "clear_restart_marks", "exit_when_orphaned",
+    "flush_and_exit", "members_gone", "nodes_joining", "read_settings_error", "report_leaving",
+    "report_members_gone", "report_nodes_joining", "report_settings_error", "steps_between", "wait_for_restart",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -253,12 +253,14 @@ class StopAgreement:
     """Whether any rank was asked to stop, agreed by all ranks at the same step, off the critical path.
 
     :meth:`after_step` is called by every rank once per step. Every ``period_s`` seconds of steps
-    (``dist.stop_check_s``) it starts a tiny all-reduce of this rank's flag, and reads its result
-    after the next step (long finished by then: a few bytes over gloo while the GPU computed a
-    step). So all ranks see the same value at the same step, and a signal stops the job at most
-    ``period_s`` plus two steps after it arrived. The flag is a CPU tensor on a gloo group of its
-    own: no GPU synchronisation, no interleaving with the gradient all-reduces or the checkpoint's
-    collectives. Without a process group (one rank) the flag is read directly, every step.
+    (``dist.stop_check_s``) it reads the result of the tiny all-reduce it started at the previous
+    agreement and starts the next one with this rank's flag. The all-reduce thus has a whole period
+    to complete: a few bytes over gloo, while the GPU computes steps -- and, at thousands of ranks,
+    the hops of a ring, which take longer than a step but not than a period. So all ranks see the
+    same value at the same step, and a signal stops the job at most two periods (and two steps)
+    after it arrived. The flag is a CPU tensor on a gloo group of its own: no GPU synchronisation,
+    no interleaving with the gradient all-reduces or the checkpoint's collectives. Without a
+    process group (one rank) the flag is read directly, every step.
 
     Why a period and not every step: each all-reduce wakes a gloo thread on every rank and a round
     of messages between them, which a fast step (a few ms on a CPU, or a small model) pays as
@@ -273,9 +275,9 @@ class StopAgreement:
 
     ``values`` more numbers ride on the same all-reduce (the maximum over ranks is agreed): at each
     agreement :meth:`after_step` asks the caller for this rank's (``report``), and :attr:`agreed`
-    holds the maxima one step later -- the same tuple on every rank at the same step, None at steps
-    where nothing new was agreed -- for decisions all ranks must take alike (the memory tier's save
-    interval) without a collective of their own.
+    holds the maxima at the next agreement -- the same tuple on every rank at the same step, None at
+    steps where nothing new was agreed -- for decisions all ranks must take alike (the memory tier's
+    save interval) without a collective of their own.
     """
 
     def __init__(
@@ -294,7 +296,7 @@ class StopAgreement:
         # [stop, stop from outside (the durable tier needed), mean step time since the last start, values...]
         self._buffer = torch.zeros(3 + values, dtype=torch.float64)
         self._pending: Any = None
-        self._until_next = 1  # calls until the next all-reduce starts, this one included
+        self._until_next = 1  # calls until the next agreement, this one included
         self._started: tuple[float, int] | None = None  # (when the last all-reduce started, steps since)
         self.agreed: tuple[float, ...] | None = None
         self.durable = True
@@ -310,6 +312,10 @@ class StopAgreement:
         self.agreed = None
         if self._started is not None:
             self._started = (self._started[0], self._started[1] + 1)
+        self._until_next -= 1
+        if self._until_next > 0:
+            return False
+        agreed_step_s = 0.0
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
@@ -318,11 +324,9 @@ class StopAgreement:
             if result[0] > 0:
                 self.durable = result[1] > 0
                 return True
-            # From the agreed maximum: the same count on every rank, counted from the step of the start.
-            self._until_next = steps_between(self._period_s, result[2])
-        self._until_next -= 1
-        if self._until_next > 0:
-            return False
+            agreed_step_s = result[2]
+        # From the agreed maximum: the same count on every rank.
+        self._until_next = steps_between(self._period_s, agreed_step_s)
         values = self._own_values(report)
         now = self._clock()
         last = self._started

@@ -43,6 +43,10 @@ MACHINES = "abcd"
 # What a GPU node derives (elastic_ddp/memory/tier.py: node_shape), forced on this CPU host.
 GPU_SHAPE = [
     "--checkpoint.memory_write_threads=4", "--checkpoint.memory_read_threads=2", "--checkpoint.memory_direct_cost=copies",
+    # A GPU node's steps take about a second, so its stop check (every dist.stop_check_s, 1 s) comes every
+    # step or two; these steps take milliseconds, and the period is scaled alike so that the preemption
+    # stops the run within a few steps, before its 44 steps are done.
+    "--dist.stop_check_s=0.01",
 ]  # fmt: skip
 # From the last step's line to every agent's exit: the final checkpoint, the tier's close, the teardown.
 EXIT_S = 45.0

@@ -433,11 +433,12 @@ dist.destroy_process_group()
 
 
 def test_with_a_period_every_rank_agrees_at_the_same_steps_paced_by_the_slowest_rank(tmp_path):
-    # Starts after steps 1 and 2 (no step time agreed yet), then every 1.0 s / 0.25 s = 4 steps: 6, 10.
-    # Each is read one step later; the signal of step 8 rides on the start after step 10.
+    # Agreements after steps 1, 2 and 3 (no step time agreed before the one of step 3), then every
+    # 1.0 s / 0.25 s = 4 steps: 7, 11, 15. Each reads what the one before started; the signal of step 8
+    # rides on the all-reduce started after step 11 and stops every rank after step 15.
     for rank in run_ranks(tmp_path, _PERIOD_WORKER, 3):
         seen = json.loads(rank.stdout)
-        assert seen == {"reports": [1, 2, 6, 10], "agreed": [[2, 1.0], [3, 2.0], [7, 6.0]], "stopped": 11}
+        assert seen == {"reports": [1, 2, 3, 7, 11], "agreed": [[2, 1.0], [3, 2.0], [7, 3.0], [11, 7.0]], "stopped": 15}
 
 
 @pytest.mark.parametrize(
