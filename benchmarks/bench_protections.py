@@ -1,4 +1,4 @@
-"""What each of the library's protections costs, one at a time, against a plain DDP loop (3 ranks, gloo).
+"""What each of the library's protections costs, one at a time, against a plain DDP loop (3 ranks; NCCL on GPUs).
 
 How to read the table. Every row is a ratio of steps per second, taken per repeat between runs of the
 same repeat (see benchmarks/common.py) and summarised as median and range: 1.0 costs nothing, 0.97
@@ -44,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from benchmarks.common import (
     WORKERS, Context, Result, TimedProcess, alternate, child_env, ratios, row, step_stamps, steps_per_s,
 )  # fmt: skip
@@ -53,7 +55,9 @@ from elastic_ddp.config import CheckpointConfig, LoggingConfig
 NAME = "protections"
 TITLE = "What each protection costs: a plain DDP loop plus one protection at a time, 3 ranks"
 
-RANKS = 3
+# Three ranks (a sum's order matters from three on); on a GPU machine one per GPU, up to three.
+RANKS = min(3, torch.cuda.device_count()) if torch.cuda.is_available() else 3
+BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
 GLOBAL_BATCH = 30
 WORKER = WORKERS / "protected_ddp.py"
 RECIPES = WORKERS.parents[1] / "recipes"
@@ -64,8 +68,8 @@ COMPARISON_LINE = re.compile(r"\[rank0\] comparison at step \d+: ([0-9.]+) s")
 
 # Per protection of the worker: its row's label and what it buys.
 PROTECTIONS = {
-    "stop": ("stop agreement (async all-reduce a step, own gloo group)",
-             "every rank stops at the same step boundary with a checkpoint of it, at most two steps after a signal"),
+    "stop": ("stop agreement (async all-reduce every dist.stop_check_s, own gloo group)",
+             "every rank stops at the same step boundary with a checkpoint of it, within 2 s and two steps of a signal"),
     "seed": ("re-seeding every generator each step",
              "a resumed step draws exactly what the uninterrupted run drew, with no generator state to save"),
     "guard": ("step guard around each step",
@@ -130,39 +134,46 @@ def timed_run(cmd: list[str], model: Model, log_path: Path) -> dict[str, float]:
     return out
 
 
+def worker_variant(ctx: Context, model: Model, name: str, protect: str, compiled: bool) -> Callable[[int], dict[str, float]]:
+    """A run of the plain loop with the protections ``protect`` (comma-separated; "" for none) over the
+    model's window, one step more so that a final save would fall after it."""
+
+    def run(i: int) -> dict[str, float]:
+        root = ctx.scratch(f"{model.name}/{name}{i}")
+        args = [*model.worker_flags, f"--protect={protect}", f"--run-dir={root}", f"--steps={model.last + 1}",
+                f"--log-every={LOG_EVERY}", *(["--compile"] if compiled else [])]  # fmt: skip
+        return timed_run(standalone(WORKER, args, RANKS), model, root / "worker.log")
+
+    return run
+
+
+def recipe_variant(
+    ctx: Context, model: Model, name: str, settings: dict[str, object], compiled: bool
+) -> Callable[[int], dict[str, float]]:
+    """A run of the model's recipe with ``settings`` over the model's window (one step more, as above)."""
+
+    def run(i: int) -> dict[str, float]:
+        root = ctx.scratch(f"{model.name}/{name}{i}")
+        args = [*model.recipe_flags, f"--run.root={root}", "--run.name=bench", f"--checkpoint.url={root}/ckpt",
+                "--checkpoint.resume=never", f"--train.max_steps={model.last + 1}", f"--logging.every_steps={LOG_EVERY}",
+                *(f"--{key}={value}" for key, value in settings.items()),
+                *(["--train.compile=true"] if compiled else [])]  # fmt: skip
+        return timed_run(standalone(model.recipe, args, RANKS), model, root / "recipe.log")
+
+    return run
+
+
 def variants(ctx: Context, model: Model, compiled: bool) -> dict[str, Callable[[int], dict[str, float]]]:
     """The runs to alternate for ``model``: the plain loop, each protection on it (in a smoke run all of
     them in one run), and the recipe variants (in a smoke run only all off and all defaults)."""
-    steps = model.last + 1  # one step more: the final save comes after the window
-
-    def worker(name: str, protect: str) -> Callable[[int], dict[str, float]]:
-        def run(i: int) -> dict[str, float]:
-            root = ctx.scratch(f"{model.name}/{name}{i}")
-            args = [*model.worker_flags, f"--protect={protect}", f"--run-dir={root}", f"--steps={steps}",
-                    f"--log-every={LOG_EVERY}", *(["--compile"] if compiled else [])]  # fmt: skip
-            return timed_run(standalone(WORKER, args, RANKS), model, root / "worker.log")
-
-        return run
-
-    def recipe(name: str, settings: dict[str, object]) -> Callable[[int], dict[str, float]]:
-        def run(i: int) -> dict[str, float]:
-            root = ctx.scratch(f"{model.name}/{name}{i}")
-            args = [*model.recipe_flags, f"--run.root={root}", "--run.name=bench", f"--checkpoint.url={root}/ckpt",
-                    "--checkpoint.resume=never", f"--train.max_steps={steps}", f"--logging.every_steps={LOG_EVERY}",
-                    *(f"--{key}={value}" for key, value in settings.items()),
-                    *(["--train.compile=true"] if compiled else [])]  # fmt: skip
-            return timed_run(standalone(model.recipe, args, RANKS), model, root / "recipe.log")
-
-        return run
-
-    runs = {"plain": worker("plain", "")}
+    runs = {"plain": worker_variant(ctx, model, "plain", "", compiled)}
     if ctx.smoke:
-        runs["all"] = worker("all", EVERY_PROTECTION)
+        runs["all"] = worker_variant(ctx, model, "all", EVERY_PROTECTION, compiled)
         recipes = {name: RECIPE_VARIANTS[name] for name in ("recipe_off", "recipe_defaults")}
     else:
-        runs.update({name: worker(name, name) for name in PROTECTIONS})
+        runs.update({name: worker_variant(ctx, model, name, name, compiled) for name in PROTECTIONS})
         recipes = RECIPE_VARIANTS
-    runs.update({name: recipe(name, settings) for name, settings in recipes.items()})
+    runs.update({name: recipe_variant(ctx, model, name, settings, compiled) for name, settings in recipes.items()})
     return runs
 
 
@@ -214,7 +225,7 @@ def run(ctx: Context, compiled: bool = False) -> Result:
     return Result(
         NAME, TITLE + (", compiled" if compiled else ""),
         params={
-            "ranks": RANKS, "backend": "gloo", "repeats": ctx.repeats, "global_batch_size": GLOBAL_BATCH,
+            "ranks": RANKS, "backend": BACKEND, "repeats": ctx.repeats, "global_batch_size": GLOBAL_BATCH,
             "windows": {m.name: [m.first, m.last] for m in chosen}, "log_every": LOG_EVERY,
             "save_every": SAVE_EVERY, "memory_overhead": MEMORY_BUDGET, "compiled": compiled,
             "lm_model": {key: value for key, value in (TINY if ctx.smoke else DEFAULT).__dict__.items()

@@ -74,8 +74,3 @@ def recipe_rate(
     flags = recipe_flags(work, root, last + 1, log_every, ckpt_every, *extra)
     return measure_rate(standalone(RECIPE, flags, nproc), first, last, root / "recipe.log")
 
-
-def plain_rate(work: Workload, root: Path, first: int, last: int, log_every: int) -> float:
-    """The plain loop's steps/s over the same window."""
-    flags = [*work.plain_flags(), f"--steps={last + 1}", f"--log-every={log_every}"]
-    return measure_rate(standalone(PLAIN_LOOP, flags), first, last, root / "plain.log")

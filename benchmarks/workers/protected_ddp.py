@@ -6,8 +6,8 @@ With no ``--protect`` it is the loop a user writes without the library, as bench
 ``Run._loop`` (elastic_ddp/worker/run.py) calls it, so that a comparison prices the library's own code:
 
 stop     -- the stop agreement: a StopAgreement on a gloo group of its own, carrying the memory tier's
-            report (REPORT_SIZE numbers), one async all-reduce started after every step
-seed     -- every generator re-seeded from (seed, rank, step) before each step's batch is fetched
+            report (REPORT_SIZE numbers), one async all-reduce every dist.stop_check_s seconds of steps
+seed     -- every generator re-seeded from (seed, rank, step) before each step's batch is fetched (StepSeeder)
 guard    -- StepGuard.begin() before and .end() after each step, over the model and the scheduler
 ledger   -- StepLedger enabled: each step's sample indices, then the global loss (one all-reduce and one
             host sync a step)
@@ -20,7 +20,8 @@ compare  -- the cross-rank comparison a save runs before it stages (snapshot(): 
 
 Two models: ``--model=lm``, the language-model recipe's ByteGPT with AdamW as plain_ddp.py trains it, and
 ``--model=classifier``, recipes/train_classifier.py's own Net, Digits, SGD with momentum and StepLR
-(imported from it; its autocast and GradScaler are off on the CPU, so the loop leaves them out).
+(imported from it), with the recipe's float16 autocast and GradScaler where it has them (on CUDA). Where CUDA is
+available, a rank per GPU with NCCL and pinned batches, as the recipes run; else gloo on the CPU.
 
     torchrun --standalone --nproc-per-node=3 benchmarks/workers/protected_ddp.py --model=classifier --protect=stop,seed
 """
@@ -55,7 +56,7 @@ from elastic_ddp.state import ModelState, OptimizerState, as_stateful, synced_pa
 from elastic_ddp.worker.ddp_buckets import stabilize_buckets  # noqa: E402
 from elastic_ddp.worker.distributed import new_gloo_group, shutdown_distributed  # noqa: E402
 from elastic_ddp.worker.metrics import create_metrics  # noqa: E402
-from elastic_ddp.worker.run import seed_everything  # noqa: E402
+from elastic_ddp.worker.seeding import StepSeeder  # noqa: E402
 from elastic_ddp.worker.step import DataState  # noqa: E402
 from elastic_ddp.worker.step_guard import StepGuard  # noqa: E402
 from elastic_ddp.worker.step_metrics import StepMetrics, timed  # noqa: E402
@@ -90,8 +91,9 @@ def parse_args() -> argparse.Namespace:
 class Training:
     """One model's data, module, optimizer and step, as a plain DDP script has them."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
+        self.device = device
         self.scheduler: Any = None
         if args.model == "lm":
             self.dataset: Dataset = ByteWindows(load_corpus(CorpusConfig(max_bytes=args.max_bytes)), args.block_size)
@@ -112,21 +114,31 @@ class Training:
                 self.optimizer, step_size=optim.step_size, gamma=optim.gamma
             )
         self.lm = args.model == "lm"
+        self.model.to(device)  # before the optimizer's first step creates its state, as the recipes do
+        # The classifier recipe's float16 autocast and gradient scaler on CUDA (both off on the CPU).
+        self.amp = not self.lm and device.type == "cuda"
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp)
         if args.compile:
             self.model = torch.compile(self.model)  # before DDP, as the recipes compile
 
     def step(self, ddp_model: DDP, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One optimizer step: the batch's mean loss and the step's own scalars (still on the device)."""
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.lm:
             logits = ddp_model(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            loss.backward()
         else:
-            loss = F.cross_entropy(ddp_model(x), y)
-        loss.backward()
+            with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+                loss = F.cross_entropy(ddp_model(x), y)
+            self.scaler.scale(loss).backward()
         scalars = {}
         if self.lm:
             scalars["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -142,11 +154,11 @@ class Batches:
 
     start_step = 0
 
-    def __init__(self, dataset: Dataset, batch_size: int, rank: int, world: int, seed: int) -> None:
+    def __init__(self, dataset: Dataset, batch_size: int, rank: int, world: int, seed: int, pin: bool) -> None:
         self.sampler = DistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
-        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True)
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True, pin_memory=pin)
         self.batch_size = batch_size
         self.epoch_indices: list[int] = []
         self.position = 0  # the next sample of epoch_indices
@@ -178,7 +190,7 @@ class NoSaveYet:
 
 def global_loss(loss: torch.Tensor, samples: int) -> float:
     """The loss over every rank's samples, as Run._global_loss computes it from Step's sums."""
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=loss.device)  # on the training group's device
     totals[0] = (loss.detach().float() * samples).double()
     totals[1] = float(samples)
     dist.all_reduce(totals)
@@ -199,16 +211,21 @@ def numbered(batches: Batches, before_step: Callable[[int], None]) -> Iterator[t
 def main() -> None:
     args = parse_args()
     protect = args.protect
-    dist.init_process_group("gloo")
+    # A rank per GPU with NCCL where CUDA is available, as the recipes run (elastic_ddp.worker.distributed).
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     control = new_gloo_group(DistConfig().timeout_s) if protect & {"stop", "compare"} else None
-    training = Training(args)
+    training = Training(args, device)
     model, optimizer = training.model, training.optimizer
-    ddp_model = DDP(model)
+    ddp_model = DDP(model, device_ids=[device.index] if cuda else None)
     if "buckets" in protect:
         stabilize_buckets(ddp_model)
     per_rank = args.global_batch_size // world
-    batches = Batches(training.dataset, per_rank, rank, world, args.seed)
+    batches = Batches(training.dataset, per_rank, rank, world, args.seed, pin=cuda)
 
     # The run's registered state (model, optimizer, scheduler, data position), for the guard and the comparison.
     scheduler = {"scheduler": as_stateful("scheduler", training.scheduler)} if training.scheduler is not None else {}
@@ -216,7 +233,7 @@ def main() -> None:
     if "stop" in protect:
         stop_signal = StopSignal(grace_s=CheckpointConfig().grace_s)  # as launch() makes it
         stop_signal.steps_started()
-        agreement = StopAgreement(stop_signal, control, values=REPORT_SIZE)
+        agreement = StopAgreement(stop_signal, control, values=REPORT_SIZE, period_s=DistConfig().stop_check_s)
     guard = StepGuard(model, scheduler) if "guard" in protect else None
     state = {
         "model": ModelState(model, replicated=True), "optimizer": OptimizerState(model, optimizer, replicated=True),
@@ -235,8 +252,10 @@ def main() -> None:
             global_batch_size=args.global_batch_size, steps_redone=None,
         )  # fmt: skip
 
+    seeder = StepSeeder()
+
     def reseed(step: int) -> None:
-        seed_everything(derive_seed("step", args.seed, rank, step))
+        seeder(derive_seed("step", args.seed, rank, step))
 
     before_step = reseed if "seed" in protect else (lambda step: None)
     source = timed(batches, collector.timing, before_step) if collector is not None else numbered(batches, before_step)
@@ -250,7 +269,7 @@ def main() -> None:
         if guard is not None:
             guard.end()
         if agreement is not None:
-            agreement.after_step((0.0,) * REPORT_SIZE)  # the memory tier's report: zeros while it is off
+            agreement.after_step()  # the memory tier's report: zeros while it is off
         global_mean = None
         if "ledger" in protect or (metrics is not None and metrics.should_log(step)):
             global_mean = global_loss(loss, per_rank)
