@@ -28,7 +28,7 @@ every collective competes with the compute, so a per-step collective costs more 
 A full run (3 repeats, 12 variants per model) takes about 18 minutes on 2 cores; ``--smoke`` about one.
 Compiled models (torch.compile, in the worker and in the recipes) add minutes of compilation per launch
 and are not part of run.py's run: ``python -m benchmarks.bench_protections --compile --out DIR`` writes
-``DIR/protections-compiled.json``.
+``DIR/protections_compiled.json`` (``run.py --update-from DIR`` puts it into RESULTS.md).
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def run(ctx: Context, compiled: bool = False) -> Result:
         samples.update({f"{model.name}/{name}": values for name, values in measured.items()})
         rows += model_rows(model, measured)
     return Result(
-        NAME, TITLE + (", compiled" if compiled else ""),
+        NAME + ("_compiled" if compiled else ""), TITLE + (", compiled" if compiled else ""),
         params={
             "ranks": RANKS, "backend": BACKEND, "repeats": ctx.repeats, "global_batch_size": GLOBAL_BATCH,
             "windows": {m.name: [m.first, m.last] for m in chosen}, "log_every": LOG_EVERY,
@@ -246,7 +246,7 @@ def run(ctx: Context, compiled: bool = False) -> Result:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="This comparison alone, optionally with compiled models.")
-    parser.add_argument("--out", required=True, help="directory for protections[-compiled].json (created)")
+    parser.add_argument("--out", required=True, help="directory for protections[_compiled].json (created)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model in every variant")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
     parser.add_argument("--repeats", type=int, default=0, help="default: 1 smoke, 3 full")
@@ -261,7 +261,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     data.update(wall_s=round(time.monotonic() - start, 1), smoke=args.smoke)
-    path = out / f"{NAME}{'-compiled' if args.compile else ''}.json"
+    path = out / f"{NAME}{'_compiled' if args.compile else ''}.json"
     path.write_text(json.dumps(data, indent=2))
     for r in data["rows"]:
         print(f"{r['label']}: {r['median']:.4g} {r['unit']} ({r['min']:.4g} - {r['max']:.4g})", flush=True)

@@ -14,7 +14,8 @@ The windows are long (300 steps of the LM, 1,000 of the classifier) and hold who
 so that one repeat's ratio moves by about 1 % rather than 5 %. Three ranks share two cores here:
 every background thread (a save's writer, a collective's) competes with the steps, which a GPU
 node's spare host cores do not. ``python -m benchmarks.bench_training --compile --out DIR`` runs
-the same with every model compiled (``torch.compile``: minutes of compilation a launch).
+the same with every model compiled (``torch.compile``: minutes of compilation a launch) into
+``DIR/training_compiled.json``, which ``run.py --update-from DIR`` puts into RESULTS.md.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def run(ctx: Context, compiled: bool = False) -> Result:
         samples.update({f"{model.name}/{name}": values for name, values in measured.items()})
         rows += model_rows(model, measured)
     return Result(
-        NAME, TITLE + (", compiled" if compiled else ""),
+        NAME + ("_compiled" if compiled else ""), TITLE + (", compiled" if compiled else ""),
         params={"ranks": RANKS, "backend": BACKEND, "repeats": ctx.repeats, "compiled": compiled,
                 "windows": {m.name: [m.first, m.last] for m in chosen}, "save_every": SAVE_EVERY,
                 "memory_overhead": MEMORY_BUDGET},  # fmt: skip
@@ -93,7 +94,7 @@ def run(ctx: Context, compiled: bool = False) -> Result:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="This comparison alone, optionally with compiled models.")
-    parser.add_argument("--out", required=True, help="directory for training[-compiled].json (created)")
+    parser.add_argument("--out", required=True, help="directory for training[_compiled].json (created)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model in every variant")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
     parser.add_argument("--repeats", type=int, default=0, help=f"default: 1 smoke, {REPEATS} full")
@@ -108,7 +109,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     data.update(wall_s=round(time.monotonic() - start, 1), smoke=args.smoke)
-    path = out / f"{NAME}{'-compiled' if args.compile else ''}.json"
+    path = out / f"{NAME}{'_compiled' if args.compile else ''}.json"
     path.write_text(json.dumps(data, indent=2))
     for r in data["rows"]:
         print(f"{r['label']}: {r['median']:.4g} {r['unit']} ({r['min']:.4g} - {r['max']:.4g})", flush=True)

@@ -52,6 +52,9 @@ COMPARISONS = {
     "memory_io": "benchmarks.bench_memory_io",
     "export": "benchmarks.bench_export",
 }
+# RESULTS.md's sections in order: each comparison, then its compiled rows where a comparison writes
+# them (python -m benchmarks.bench_training --compile --out DIR: DIR/training_compiled.json).
+SECTIONS = [section for name in COMPARISONS for section in (name, f"{name}_compiled")]
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 
 
@@ -89,7 +92,7 @@ def _load(dirs: list[str]) -> tuple[dict[str, dict], list[dict]] | None:
         results = directory / "results.json"
         if results.exists():
             machines.append(json.loads(results.read_text())["machine"])
-        for name in COMPARISONS:
+        for name in SECTIONS:
             path = directory / f"{name}.json"
             if path.exists():
                 data = json.loads(path.read_text())
@@ -123,7 +126,7 @@ def render_from(dirs: list[str]) -> int:
     dates = sorted({m["date"] for m in machines})
     if len(dates) > 1:
         machine["date"] = f"{dates[0]} to {dates[-1]} (comparisons from {len(dates)} runs on this machine)"
-    RESULTS_MD.write_text(render(machine, [found[name] for name in COMPARISONS]))
+    RESULTS_MD.write_text(render(machine, [found[name] for name in SECTIONS if name in found]))
     print(f"Wrote {RESULTS_MD} from {len(found)} comparisons", flush=True)
     return 1 if any("error" in data for data in found.values()) else 0
 
@@ -144,7 +147,7 @@ def update_from(dirs: list[str]) -> int:
         return 2
     machine = {**_machine(machines), "date": max(m["date"] for m in machines)}
     runs = len({m["date"] for m in machines})
-    RESULTS_MD.write_text(merge(RESULTS_MD.read_text(), machine, list(found.values()), list(COMPARISONS), runs))
+    RESULTS_MD.write_text(merge(RESULTS_MD.read_text(), machine, list(found.values()), SECTIONS, runs))
     print(f"Updated {', '.join(found)} in {RESULTS_MD}", flush=True)
     return 1 if any("error" in data for data in found.values()) else 0
 
