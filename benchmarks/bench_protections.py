@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (
-    WORKERS, Context, Result, TimedProcess, alternate, child_env, ratios, row, step_stamps, steps_per_s,
+    WORKERS, Context, Result, TimedProcess, alternate, child_env, machine_info, ratios, row, step_stamps, steps_per_s,
 )  # fmt: skip
 from benchmarks.loops import DEFAULT, TINY, standalone
 from elastic_ddp.config import CheckpointConfig, LoggingConfig
@@ -255,7 +255,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="elastic-ddp-bench-"))
     ctx = Context(smoke=args.smoke, work_dir=work, repeats=args.repeats or (1 if args.smoke else 3))
-    start = time.monotonic()
+    start, machine = time.monotonic(), machine_info()
     try:
         data = run(ctx, compiled=args.compile).to_json()
     finally:
@@ -263,6 +263,8 @@ def main() -> int:
     data.update(wall_s=round(time.monotonic() - start, 1), smoke=args.smoke)
     path = out / f"{NAME}{'_compiled' if args.compile else ''}.json"
     path.write_text(json.dumps(data, indent=2))
+    # As run.py writes it, so that run.py --update-from DIR puts this section into RESULTS.md.
+    (out / "results.json").write_text(json.dumps({"machine": machine, "smoke": args.smoke, "comparisons": [data]}, indent=2))
     for r in data["rows"]:
         print(f"{r['label']}: {r['median']:.4g} {r['unit']} ({r['min']:.4g} - {r['max']:.4g})", flush=True)
     print(f"Wrote {path} ({data['wall_s']} s)", flush=True)

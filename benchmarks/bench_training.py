@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.bench_protections import BACKEND, RANKS, Model, models, recipe_variant, worker_variant
-from benchmarks.common import Context, Result, Target, alternate, ratios, row
+from benchmarks.common import Context, Result, Target, alternate, machine_info, ratios, row
 from elastic_ddp.config import CheckpointConfig
 
 NAME = "training"
@@ -103,7 +103,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="elastic-ddp-bench-"))
     ctx = Context(smoke=args.smoke, work_dir=work, repeats=args.repeats or (1 if args.smoke else REPEATS))
-    start = time.monotonic()
+    start, machine = time.monotonic(), machine_info()
     try:
         data = run(ctx, compiled=args.compile).to_json()
     finally:
@@ -111,6 +111,8 @@ def main() -> int:
     data.update(wall_s=round(time.monotonic() - start, 1), smoke=args.smoke)
     path = out / f"{NAME}{'_compiled' if args.compile else ''}.json"
     path.write_text(json.dumps(data, indent=2))
+    # As run.py writes it, so that run.py --update-from DIR puts this section into RESULTS.md.
+    (out / "results.json").write_text(json.dumps({"machine": machine, "smoke": args.smoke, "comparisons": [data]}, indent=2))
     for r in data["rows"]:
         print(f"{r['label']}: {r['median']:.4g} {r['unit']} ({r['min']:.4g} - {r['max']:.4g})", flush=True)
     print(f"Wrote {path} ({data['wall_s']} s)", flush=True)
