@@ -29,7 +29,7 @@ from tests.helpers.nodes import descendants  # noqa: E402
 # Seconds each comparison's smoke run took on a 2-core host: only to split them into two halves of
 # about equal length, which run side by side (a smoke run checks that everything runs, not how fast).
 SMOKE_S = {
-    "soak": 65, "protections": 65, "memory_tier": 45, "rdzv_idle": 26, "rdzv_join": 20, "training": 20, "grace": 19,
+    "soak": 65, "protections": 65, "memory_tier": 45, "training": 41, "rdzv_idle": 26, "rdzv_join": 20, "grace": 19,
     "recovery": 18,
 }  # fmt: skip
 
