@@ -20,16 +20,10 @@ the same with every model compiled (``torch.compile``: minutes of compilation a 
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
-import tempfile
-import time
 from dataclasses import replace
-from pathlib import Path
 
 from benchmarks.bench_protections import BACKEND, RANKS, Model, models, recipe_variant, worker_variant
-from benchmarks.common import Context, Result, Target, alternate, machine_info, ratios, row
+from benchmarks.common import Context, Result, Target, alternate, ratios, row, run_alone
 from elastic_ddp.config import CheckpointConfig
 
 NAME = "training"
@@ -93,30 +87,7 @@ def run(ctx: Context, compiled: bool = False) -> Result:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="This comparison alone, optionally with compiled models.")
-    parser.add_argument("--out", required=True, help="directory for training[_compiled].json (created)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model in every variant")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
-    parser.add_argument("--repeats", type=int, default=0, help=f"default: 1 smoke, {REPEATS} full")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="elastic-ddp-bench-"))
-    ctx = Context(smoke=args.smoke, work_dir=work, repeats=args.repeats or (1 if args.smoke else REPEATS))
-    start, machine = time.monotonic(), machine_info()
-    try:
-        data = run(ctx, compiled=args.compile).to_json()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    data.update(wall_s=round(time.monotonic() - start, 1), smoke=args.smoke)
-    path = out / f"{NAME}{'_compiled' if args.compile else ''}.json"
-    path.write_text(json.dumps(data, indent=2))
-    # As run.py writes it, so that run.py --update-from DIR puts this section into RESULTS.md.
-    (out / "results.json").write_text(json.dumps({"machine": machine, "smoke": args.smoke, "comparisons": [data]}, indent=2))
-    for r in data["rows"]:
-        print(f"{r['label']}: {r['median']:.4g} {r['unit']} ({r['min']:.4g} - {r['max']:.4g})", flush=True)
-    print(f"Wrote {path} ({data['wall_s']} s)", flush=True)
-    return 0
+    return run_alone(NAME, run, REPEATS)
 
 
 if __name__ == "__main__":

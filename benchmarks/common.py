@@ -7,6 +7,8 @@ A B, ...) over several repeats and reports medians and ranges; a ratio is taken 
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import re
@@ -14,6 +16,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -347,3 +350,32 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "etcd": _etcd_version(),
     }
+
+
+def run_alone(name: str, run: Callable[[Context, bool], Result], full_repeats: int) -> int:
+    """A comparison's own command line (``python -m benchmarks.bench_X --out DIR [--compile]``): runs it,
+    eager or compiled, and writes ``DIR/<name>[_compiled].json`` and a ``results.json`` as run.py does,
+    so that ``run.py --update-from DIR`` puts its section into RESULTS.md."""
+    parser = argparse.ArgumentParser(description="This comparison alone, optionally with compiled models.")
+    parser.add_argument("--out", required=True, help=f"directory for {name}[_compiled].json (created)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model in every variant")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")
+    parser.add_argument("--repeats", type=int, default=0, help=f"default: 1 smoke, {full_repeats} full")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="elastic-ddp-bench-"))
+    ctx = Context(smoke=args.smoke, work_dir=work, repeats=args.repeats or (1 if args.smoke else full_repeats))
+    start, machine = time.monotonic(), machine_info()
+    try:
+        data = run(ctx, args.compile).to_json()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    data.update(wall_s=round(time.monotonic() - start, 1), smoke=args.smoke)
+    path = out / f"{name}{'_compiled' if args.compile else ''}.json"
+    path.write_text(json.dumps(data, indent=2))
+    (out / "results.json").write_text(json.dumps({"machine": machine, "smoke": args.smoke, "comparisons": [data]}, indent=2))
+    for r in data["rows"]:
+        print(f"{r['label']}: {r['median']:.4g} {r['unit']} ({r['min']:.4g} - {r['max']:.4g})", flush=True)
+    print(f"Wrote {path} ({data['wall_s']} s)", flush=True)
+    return 0
