@@ -223,10 +223,10 @@ def make_step_batch(
     Only this rank's share of the global batch is computed and read from ``dataset``.
     ``rank_indices``: that share, when the caller computed it already (:meth:`ElasticSampler.shares`).
     """
-    if rank_indices is None:
-        start, stop = rank_bounds(sampler.global_batch_size, rank, world_size)
-        rank_indices = sampler.slice_at(cursor, start, stop)
     mine = rank_indices
+    if mine is None:
+        start, stop = rank_bounds(sampler.global_batch_size, rank, world_size)
+        mine = sampler.slice_at(cursor, start, stop)
     batches = []
     for chunk in micro_batches(mine, micro_batch_size):
         data = collate_fn(read_samples(dataset, chunk))

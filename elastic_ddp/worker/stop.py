@@ -297,7 +297,8 @@ class StopAgreement:
         self._buffer = torch.zeros(3 + values, dtype=torch.float64)
         self._pending: Any = None
         self._until_next = 1  # calls until the next agreement, this one included
-        self._started: tuple[float, int] | None = None  # (when the last all-reduce started, steps since)
+        self._every = 1  # steps from the last agreement to the next
+        self._started_at: float | None = None  # when the last all-reduce started
         self.agreed: tuple[float, ...] | None = None
         self.durable = True
 
@@ -310,8 +311,6 @@ class StopAgreement:
             self.durable = self._from_outside()
             return self._signal.requested
         self.agreed = None
-        if self._started is not None:
-            self._started = (self._started[0], self._started[1] + 1)
         self._until_next -= 1
         if self._until_next > 0:
             return False
@@ -325,17 +324,16 @@ class StopAgreement:
                 self.durable = result[1] > 0
                 return True
             agreed_step_s = result[2]
-        # From the agreed maximum: the same count on every rank.
-        self._until_next = steps_between(self._period_s, agreed_step_s)
         values = self._own_values(report)
         now = self._clock()
-        last = self._started
         self._buffer[0] = 1.0 if self._signal.requested else 0.0
         self._buffer[1] = 1.0 if self._from_outside() else 0.0
-        self._buffer[2] = (now - last[0]) / last[1] if last is not None and last[1] > 0 else 0.0
+        self._buffer[2] = (now - self._started_at) / self._every if self._started_at is not None else 0.0
         for i, value in enumerate(values, start=3):
             self._buffer[i] = float(value)
-        self._started = (now, 0)
+        self._started_at = now
+        # From the agreed maximum: the same count on every rank.
+        self._every = self._until_next = steps_between(self._period_s, agreed_step_s)
         # MAX: the flag is set if any rank's is, and each number is the largest any rank reported.
         self._pending = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return False
