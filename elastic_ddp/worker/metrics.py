@@ -16,9 +16,10 @@ One TensorBoard directory serves the whole job, across every torchrun restart:
   reads it to log ``elastic/recovery_s`` and the events "World size changed from A to B" and
   "Failure recovered after X s".
 
-Writing never stalls training: ``SummaryWriter`` queues serialized events for a background thread
-(the queue is sized so ``add_scalar`` never waits for it) and the progress record is written by a
-background thread of its own, which keeps only the newest record.
+Writing never stalls training: a logged step's scalars go into one event (one summary of every
+tag), which ``SummaryWriter`` queues for a background thread (the queue is sized so that queueing
+never waits for it), and the progress record is written by a background thread of its own, which
+keeps only the newest record and rewrites it at most every :data:`PROGRESS_MIN_INTERVAL_S`.
 """
 
 from __future__ import annotations
@@ -48,14 +49,19 @@ log = logging.getLogger(__name__)
 ENV_TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 PROGRESS_FILE = "progress.json"
+# The progress record is rewritten at most this often. On local disk a rewrite is two fsyncs, and a
+# fast loop logs tens of steps a second, whose writes would take host cores from the ranks. A process
+# killed outright (SIGKILL, a lost node) leaves a record up to this much older than its last logged
+# step, which the next attempt's elastic/recovery_s then includes; every other end writes the last one.
+PROGRESS_MIN_INTERVAL_S = 1.0
 
 # Text tags. add_text stores a tag T as "T/text_summary"; readers find them under that name.
 TAG_CONFIG = "config"
 TAG_EVENTS = "events"
 
-# SummaryWriter's default queue (10 events) is smaller than one logged step (~15 scalars), so
-# add_scalar would wait for the writer thread's file writes. A large queue keeps add_scalar a
-# put into memory: a few thousand serialized scalars are well under a megabyte.
+# SummaryWriter's default queue holds 10 events; past it, queueing waits for the writer thread's
+# file writes. A large queue keeps queueing a put into memory: even a few thousand logged steps'
+# events are a few megabytes.
 _MAX_QUEUE = 10_000
 
 # Event files are named events.out.tfevents.<unix seconds>.<host>.<pid>.<n> and TensorBoard reads
@@ -196,9 +202,12 @@ class _ProgressRecord:
     pending record is kept: a slow store (S3) delays the record, never the training loop.
     """
 
-    def __init__(self, run_dir: str, storage_options: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self, run_dir: str, storage_options: Mapping[str, Any] | None, min_interval_s: float = PROGRESS_MIN_INTERVAL_S
+    ) -> None:
         self._storage = Storage(run_dir, dict(storage_options or {}))
         self.path = join(self._storage.url, PROGRESS_FILE)
+        self._min_interval_s = min_interval_s
         self._pending: dict[str, Any] | None = None
         self._cond = threading.Condition()
         self._closed = False
@@ -233,14 +242,22 @@ class _ProgressRecord:
         self._thread.join()
 
     def _run(self) -> None:
+        next_write = 0.0  # time.monotonic() from which the next record may be written
         while True:
             with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
+                while not self._closed:
+                    if self._pending is None:
+                        self._cond.wait()
+                        continue
+                    delay = next_write - time.monotonic()
+                    if delay <= 0:
+                        break
+                    self._cond.wait(delay)  # a newer record may replace the pending one meanwhile
                 record, self._pending = self._pending, None
                 closed = self._closed
             if record is not None:
                 self._write(record)
+                next_write = time.monotonic() + self._min_interval_s
             if closed:
                 return
 
@@ -301,7 +318,10 @@ class TensorBoardMetrics(Metrics):
         clock: Callable[[], float] = time.time,
     ) -> None:
         # Imported here so ranks other than 0 never pay for importing TensorBoard.
+        from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
+
+        self._summary = Summary
 
         super().__init__(cfg, max_steps=max_steps, start_step=(resume_step or 0) + 1)
         self.rank = 0
@@ -361,8 +381,10 @@ class TensorBoardMetrics(Metrics):
             self._recovering = False
             self._event_for_previous_attempt(step, now, values)
         try:
-            for tag, value in values.items():
-                self._writer.add_scalar(tag, value, global_step=step, walltime=now)
+            # One event holding every tag's value (what add_scalar writes for one tag): one
+            # serialization and one queued write a logged step instead of one per tag.
+            summary = self._summary(value=[self._summary.Value(tag=t, simple_value=v) for t, v in values.items()])
+            self._writer._get_file_writer().add_summary(summary, step, now)
             self._write_pending_events(step, now)
         except OSError as exc:
             # The writer thread failed (disk full, directory gone) and re-raises here. Curves

@@ -21,10 +21,12 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.util import tensor_util
 
 from elastic_ddp.config import Config, ConfigError, LoggingConfig
 from elastic_ddp.worker.metrics import (
+    _ProgressRecord,
     ENDED_EXIT_AT_STEP,
     ENDED_FINISHED,
     ENDED_MEMBERSHIP,
@@ -307,6 +309,35 @@ def test_progress_record_lives_on_any_fsspec_store(tmp_path):
     accumulator = read_back(tmp_path / "tb")
     assert [event.value for event in accumulator.Scalars("elastic/recovery_s")] == [7.0]
     assert "World size changed from 3 to 5" in texts(tmp_path / "tb", "events")[0][1]
+
+
+def test_a_logged_step_is_one_event_holding_every_tag(tmp_path):
+    # One serialization and one queued write per logged step, not one per tag.
+    with start_attempt(tmp_path) as metrics:
+        metrics.log_step(10, {"train/loss": 1.5, "train/lr": 1e-3, "perf/step_time_s": 0.25})
+        metrics.log_step(20, {"train/loss": 1.25, "train/lr": 1e-3, "perf/step_time_s": 0.25})
+    [event_file] = (tmp_path / "tb").glob("events.out.tfevents.*")
+    scalar_events = [e for e in EventFileLoader(str(event_file)).Load() if e.HasField("summary")]
+    assert [e.step for e in scalar_events] == [10, 20]
+    tags = {"train/loss", "train/lr", "perf/step_time_s", "elastic/world_size", "elastic/restart_count"}
+    assert all({value.tag for value in e.summary.value} == tags for e in scalar_events)
+    assert [(e.step, e.value) for e in read_back(tmp_path / "tb").Scalars("train/loss")] == [(10, 1.5), (20, 1.25)]
+
+
+def test_progress_record_is_rewritten_at_most_every_interval_and_its_newest_on_close(tmp_path):
+    path = tmp_path / "run" / PROGRESS_FILE
+    record = _ProgressRecord(str(tmp_path / "run"), None, min_interval_s=3600.0)
+    record.put({"step": 1})
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:  # the first record is written at once
+        time.sleep(0.01)
+    assert json.loads(path.read_text()) == {"step": 1}
+    record.put({"step": 2})
+    record.put({"step": 3})
+    time.sleep(0.3)  # well within the interval: the thread waits, keeping only the newest
+    assert json.loads(path.read_text()) == {"step": 1}
+    record.close()
+    assert json.loads(path.read_text()) == {"step": 3}
 
 
 def test_config_yaml_is_readable_back_as_text(tmp_path):
