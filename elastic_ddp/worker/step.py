@@ -111,8 +111,7 @@ class Step:
         self._micro: MicroBatch | None = None
         self._position = -1
         self._backwards = 0
-        self._loss_sum: torch.Tensor | None = None
-        self._samples = 0
+        self._losses: list[tuple[torch.Tensor, int]] = []  # (mean loss, samples) of each real micro-batch
         self.scalars: dict[str, Any] = {}
 
     @property
@@ -153,14 +152,13 @@ class Step:
                 f"Step {self.number}: step.backward() needs the micro-batch's mean loss (a scalar), got shape "
                 f"{tuple(loss.shape)}."
             )
-        weighted = loss * micro.weight
+        # A weight of 1 (an even split, one micro-batch) changes no bit of the loss or its gradient.
+        weighted = loss if micro.weight == 1.0 else loss * micro.weight
         (weighted if scaler is None else scaler.scale(weighted)).backward()
         self._backwards += 1
         if not micro.dummy:
-            # Summed on the device: read (one host sync) only at logged steps.
-            contribution = loss.detach().float() * micro.samples
-            self._loss_sum = contribution if self._loss_sum is None else self._loss_sum + contribution
-            self._samples += micro.samples
+            # Kept on the device, summed (one host sync) only at the steps whose loss is recorded.
+            self._losses.append((loss.detach(), micro.samples))
 
     def log(self, **scalars: float | torch.Tensor) -> None:
         """Extra scalars for this step, e.g. ``step.log(grad_norm=norm)`` (TensorBoard tag
@@ -176,8 +174,9 @@ class Step:
             )
 
     def _loss_and_samples(self) -> torch.Tensor:
+        """This rank's summed loss over its samples and their number, as float64, on the device."""
         out = torch.zeros(2, dtype=torch.float64, device=self._device)
-        if self._loss_sum is not None:
-            out[0] = self._loss_sum.double()
-        out[1] = float(self._samples)
+        if self._losses:
+            out[0] = sum(loss.float() * samples for loss, samples in self._losses).double()
+        out[1] = float(sum(samples for _, samples in self._losses))
         return out
