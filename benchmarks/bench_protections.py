@@ -129,21 +129,23 @@ def timed_run(cmd: list[str], model: Model, log_path: Path) -> dict[str, float]:
     return out
 
 
-def worker_variant(ctx: Context, model: Model, name: str, protect: str, compiled: bool) -> Callable[[int], dict[str, float]]:
+def worker_variant(
+    ctx: Context, model: Model, name: str, protect: str, compiled: bool, ranks: int = RANKS
+) -> Callable[[int], dict[str, float]]:
     """A run of the plain loop with the protections ``protect`` (comma-separated; "" for none) over the
-    model's window, one step more so that a final save would fall after it."""
+    model's window, one step more so that a final save would fall after it, at ``ranks`` ranks."""
 
     def run(i: int) -> dict[str, float]:
         root = ctx.scratch(f"{model.name}/{name}{i}")
         args = [*model.worker_flags, f"--protect={protect}", f"--run-dir={root}", f"--steps={model.last + 1}",
                 f"--log-every={LOG_EVERY}", *(["--compile"] if compiled else [])]  # fmt: skip
-        return timed_run(standalone(WORKER, args, RANKS), model, root / "worker.log")
+        return timed_run(standalone(WORKER, args, ranks), model, root / "worker.log")
 
     return run
 
 
 def recipe_variant(
-    ctx: Context, model: Model, name: str, settings: dict[str, object], compiled: bool
+    ctx: Context, model: Model, name: str, settings: dict[str, object], compiled: bool, ranks: int = RANKS
 ) -> Callable[[int], dict[str, float]]:
     """A run of the model's recipe with ``settings`` over the model's window (one step more, as above)."""
 
@@ -153,7 +155,7 @@ def recipe_variant(
                 "--checkpoint.resume=never", f"--train.max_steps={model.last + 1}", f"--logging.every_steps={LOG_EVERY}",
                 *(f"--{key}={value}" for key, value in settings.items()),
                 *(["--train.compile=true"] if compiled else [])]  # fmt: skip
-        return timed_run(standalone(model.recipe, args, RANKS), model, root / "recipe.log")
+        return timed_run(standalone(model.recipe, args, ranks), model, root / "recipe.log")
 
     return run
 

@@ -13,7 +13,10 @@ For each model (the language-model recipe's ByteGPT, the classifier recipe's Net
 The windows are long (300 steps of the LM, 1,000 of the classifier) and hold whole save intervals,
 so that one repeat's ratio moves by about 1 % rather than 5 %. Three ranks share two cores here:
 every background thread (a save's writer, a collective's) competes with the steps, which a GPU
-node's spare host cores do not. ``python -m benchmarks.bench_training --compile --out DIR`` runs
+node's spare host cores do not, and how the scheduler places three ranks on two cores moves a
+repeat by more than the library's cost. So a full eager run also times the classifier, whose 1.5 ms
+steps show a per-step cost the most, at one rank (no sharing of cores, no collective waits): its
+``one rank`` rows are the library's CPU cost per step, the precise measure beside the 3-rank targets. ``python -m benchmarks.bench_training --compile --out DIR`` runs
 the same with every model compiled (``torch.compile``: minutes of compilation a launch) into
 ``DIR/training_compiled.json``, which ``run.py --update-from DIR`` puts into RESULTS.md.
 """
@@ -36,6 +39,8 @@ NO_CHECKPOINTS = {"checkpoint.every_steps": 0, "checkpoint.memory_overhead": 0}
 REPEATS = 5  # run.py's default for this comparison
 # Full runs: windows of whole save intervals (saves at 50, 100, ... inside them).
 WINDOWS = {"lm": (20, 320), "classifier": (50, 1050)}
+# Full runs: the model also timed at one rank (the classifier: the shortest steps).
+ONE_RANK = "classifier"
 
 
 def windowed(smoke: bool) -> list[Model]:
@@ -43,9 +48,18 @@ def windowed(smoke: bool) -> list[Model]:
             for model in models(smoke)]  # fmt: skip
 
 
-def model_rows(model: Model, samples: dict[str, dict[str, list[float]]]) -> list[dict]:
+def model_rows(model: Model, samples: dict[str, dict[str, list[float]]], ranks: int = RANKS) -> list[dict]:
     rate = {name: s["steps_per_s"] for name, s in samples.items()}
     prefix = "" if model.name == "lm" else f"{model.name}: "
+    if ranks == 1:
+        prefix = f"{model.name}, one rank: "
+        return [
+            row(f"{prefix}plain DDP loop", rate["plain"], "steps/s"),
+            row(f"{prefix}recipe / plain (no checkpoints)", ratios(rate["recipe"], rate["plain"]), "ratio",
+                note="the step path's CPU cost, without contention for cores"),
+            row(f"{prefix}recipe, defaults / plain", ratios(rate["defaults"], rate["plain"]), "ratio",
+                note="with both checkpoint tiers, whose writer threads share the rank's core"),
+        ]  # fmt: skip
     return [
         row(f"{prefix}plain DDP loop ({model.label})", rate["plain"], "steps/s"),
         row(f"{prefix}recipe, no checkpoint in window", rate["recipe"], "steps/s"),
@@ -63,26 +77,32 @@ def run(ctx: Context, compiled: bool = False) -> Result:
     samples: dict[str, dict[str, list[float]]] = {}
     rows: list[dict] = []
     chosen = windowed(ctx.smoke)
-    for model in chosen:
+    runs = [(model, RANKS) for model in chosen]
+    if not ctx.smoke and not compiled and RANKS > 1:  # compiled: minutes of compilation a launch
+        runs += [(model, 1) for model in chosen if model.name == ONE_RANK]
+    for model, ranks in runs:
+        tag = f"-{ranks}rank" if ranks != RANKS else ""
         measured = alternate(
             {
-                "plain": worker_variant(ctx, model, "plain", "", compiled),
-                "recipe": recipe_variant(ctx, model, "recipe", NO_CHECKPOINTS, compiled),
-                "defaults": recipe_variant(ctx, model, "defaults", {}, compiled),
+                "plain": worker_variant(ctx, model, f"plain{tag}", "", compiled, ranks),
+                "recipe": recipe_variant(ctx, model, f"recipe{tag}", NO_CHECKPOINTS, compiled, ranks),
+                "defaults": recipe_variant(ctx, model, f"defaults{tag}", {}, compiled, ranks),
             },
             ctx.repeats,
         )
-        samples.update({f"{model.name}/{name}": values for name, values in measured.items()})
-        rows += model_rows(model, measured)
+        samples.update({f"{model.name}{tag}/{name}": values for name, values in measured.items()})
+        rows += model_rows(model, measured, ranks)
     return Result(
         NAME + ("_compiled" if compiled else ""), TITLE + (", compiled" if compiled else ""),
         params={"ranks": RANKS, "backend": BACKEND, "repeats": ctx.repeats, "compiled": compiled,
                 "windows": {m.name: [m.first, m.last] for m in chosen}, "save_every": SAVE_EVERY,
-                "memory_overhead": MEMORY_BUDGET},  # fmt: skip
+                "memory_overhead": MEMORY_BUDGET, "one_rank": ONE_RANK if len(runs) > len(chosen) else None},  # fmt: skip
         samples=samples,
         rows=rows,
         notes=["3 ranks on 2 cores, one thread each: a background thread takes a core from a rank, which a GPU "
-               "node's spare host cores would not."],  # fmt: skip
+               "node's spare host cores would not, and the ranks' placement on the cores moves a repeat by several %.",
+               "The one-rank rows time the same runs at one rank: the step path's CPU cost per step, without "
+               "contention (the classifier's steps take 1.5 ms at one rank; the LM's 50 ms at three)."],  # fmt: skip
     )
 
 
