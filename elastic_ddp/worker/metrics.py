@@ -231,8 +231,11 @@ class _ProgressRecord:
     def put(self, record: dict[str, Any]) -> None:
         """Queue ``record`` for writing; it replaces any record not yet written."""
         with self._cond:
+            # With a record pending, the thread is writing or waiting out its interval, and takes the
+            # newest when it is done: only an empty slot can have it waiting for a record.
+            if self._pending is None:
+                self._cond.notify()
             self._pending = dict(record)
-            self._cond.notify()
 
     def close(self) -> None:
         """Write the last pending record, then stop the thread."""
