@@ -61,6 +61,7 @@ class Outcome(enum.Enum):
     DONE = "done"  # written and committed
     SKIPPED = "skipped"  # no rank wrote it: the ranks' values no longer split as planned
     FAILED = "failed"  # this rank's write failed
+    RUNNING = "running"  # still in flight when the wait gave up (its comparison waits for a peer that is gone)
 
 
 class Slots:
@@ -351,11 +352,18 @@ class BackgroundWriter:
         size, checksum = self.store.write(slot, record.part, data, threads or self.threads)
         self.store.commit(slot, replace(record, size=size, checksum=checksum))
 
-    def wait(self) -> None:
-        """Wait for the write in flight (if any); raises what it raised."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the write in flight (if any), at most ``timeout_s`` (None: until it ends); raises what
+        it raised. False when it is still running after ``timeout_s``: it stays the write in flight."""
+        pending = self.pending
+        if pending is None:
+            return True
+        done, _ = concurrent.futures.wait([pending], timeout=timeout_s)
+        if not done:
+            return False
+        self.pending = None
+        pending.result()
+        return True
 
     def close(self) -> None:
         if self.pool is not None:
@@ -437,12 +445,14 @@ class Saver:
         self.slots.undo()
         self.local_failure = None
 
-    def wait(self) -> Outcome:
-        """Wait for the save in flight; :attr:`local_failure` says why when it failed."""
+    def wait(self, timeout_s: float | None = None) -> Outcome:
+        """Wait for the save in flight, at most ``timeout_s`` (None: until it ends); :attr:`local_failure`
+        says why when it failed. :attr:`Outcome.RUNNING` when it is still running after ``timeout_s``."""
         if self.writer.pending is None:
             return Outcome.NONE
         try:
-            self.writer.wait()
+            if not self.writer.wait(timeout_s):
+                return Outcome.RUNNING
         except Exception as exc:  # noqa: BLE001 - a failed memory save must not stop training: durable still works
             self.local_failure = f"{type(exc).__name__}: {exc}"
             log.error("[%d/-] A memory-tier save failed on this rank (%s); the tier stops on every rank at the next "

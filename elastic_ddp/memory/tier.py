@@ -38,9 +38,10 @@ __all__ = ["REPORT_SIZE", "MemoryTier", "MemoryTierError", "NodeOffer", "NodeSha
 
 log = logging.getLogger(__name__)
 
-# How long a keep after a failed step waits for the node's other ranks to finish the save in flight:
-# they wait for their own writes first, so it is done at once or never (its check needed a peer that
-# is gone), and the restart waits for this.
+# How long a keep after a failed step waits for the save in flight, and then for the node's other
+# ranks to finish it: a save is done at once or never (its check needed a peer that is gone: an
+# all-reduce with a peer whose process lives on but left the collective waits up to the group's
+# timeout), and the restart waits for this.
 KEEP_WAIT_S = 3.0
 
 
@@ -225,7 +226,12 @@ class MemoryTier:
             # The node completed it, kept or not: a failure after a step's update but before its
             # bookkeeping must count the step as done, or the restart would count -1 steps redone.
             self.store.note_step(step)
-        outcome = self._saver.wait()
+        outcome = self._saver.wait(timeout_s=KEEP_WAIT_S)
+        if outcome is Outcome.RUNNING:
+            # Its comparison waits for a peer that is gone, and may yet write its slot: keep nothing,
+            # and leave the restart what the node held before it.
+            return (f"the save in flight is still running after {KEEP_WAIT_S:g} s (its comparison waits for a "
+                    "lost peer)")
         if outcome is Outcome.FAILED:
             # Most often the comparison that the save in flight waits for, an all-reduce that needed the
             # peer now gone: nothing of it was committed, so its slot is free again for this state.

@@ -9,12 +9,16 @@ tests/chaos/test_memory_tier_e2e.py's.
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from elastic_ddp.memory.interval import Report
+from elastic_ddp.memory import tier as tier_module
 from elastic_ddp.memory.tier import MemoryTier
 from elastic_ddp.state import ModelState, OptimizerState, as_stateful
 
@@ -137,3 +141,30 @@ def test_nothing_is_kept_where_redoing_the_steps_since_the_last_save_is_quicker_
     why = writer.keep(3, state, frozenset({"scheduler"}))
     assert why == "redoing 2 step(s) (10 ms each) costs less than writing them (50 ms)", why
     writer.close()
+
+
+def test_a_save_in_flight_that_never_ends_is_waited_for_only_briefly_and_nothing_is_kept(tmp_path, group_of_one, monkeypatch):
+    # A save's comparison can wait on an all-reduce whose peer lives on but left the collective (up to the
+    # group's timeout): the keep after a failed step must not hold the restart for that long.
+    monkeypatch.setattr(tier_module, "KEEP_WAIT_S", 0.2)
+    model, optimizer, scheduler, _, state = job()
+    writer = tier(tmp_path, group_of_one)
+    writer.survey(state, fresh=False)
+    for number in (1, 2, 3):
+        step(model, optimizer, scheduler)
+        writer.after_step(number, state, None)  # saves step 1 only (every_steps=1000)
+    writer._saver.wait()
+    stuck: concurrent.futures.Future = concurrent.futures.Future()
+    writer._saver.writer.pending = stuck  # a save in flight whose comparison never returns
+    started = time.monotonic()
+    why = writer.keep(3, state, frozenset({"scheduler"}))
+    assert time.monotonic() - started < 5.0
+    assert why == "the save in flight is still running after 0.2 s (its comparison waits for a lost peer)", why
+    assert writer._saver.writer.pending is stuck  # still the save in flight: its slot is not reused
+    stuck.set_result(None)
+    writer.close()
+
+    reader = tier(tmp_path, group_of_one)
+    survey = reader.survey(job()[4], fresh=False)
+    assert [c.step for c in survey.candidates()][:1] == [1]  # what the node held before
+    reader.close()
