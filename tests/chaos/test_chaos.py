@@ -174,16 +174,20 @@ def test_frozen_rank_is_detected_within_the_collective_timeout_and_the_group_rec
     from tests.helpers.nodes import worker_pids
 
     timeout_s = 10
-    j = job(flags=[ENDLESS, "--checkpoint.every_steps=5", f"--dist.timeout_s={timeout_s}"])
+    # Saves every 5 steps of a few ms are nearly always in flight: a survivor's next save waits for the one
+    # the frozen rank never finishes, whose collectives wait for it up to checkpoint.timeout_s (600 s by
+    # default, for peers writing large states to slow storage). So both timeouts are the test's.
+    j = job(flags=[ENDLESS, "--checkpoint.every_steps=5", f"--dist.timeout_s={timeout_s}",
+                   f"--checkpoint.timeout_s={timeout_s}"])  # fmt: skip
     j.add_node()
     frozen_node = j.add_node()
     j.wait_for_step(8, world_size=2)
-    # Frozen only once a checkpoint is committed: a save in flight would freeze with the rank.
+    # Frozen only once a checkpoint is committed, for the group to resume from.
     j.wait_for_commit()
     [worker] = worker_pids(frozen_node.pid)
     mark, t0 = j.mark(), time.monotonic()
     os.kill(worker, signal.SIGSTOP)  # a rank that stops making progress without dying
-    j.wait_until(lambda: "Traceback" in j.output_since(mark), timeout_s + 60, "the hang to be detected")
+    j.wait_until(lambda: "Traceback" in j.output_since(mark), 2 * timeout_s + 60, "the hang to be detected")
     detected_s = time.monotonic() - t0
     recovery_s = j.wait_for_training_since(mark, t0, world_size=2, timeout=180)
     resumed = resumed_steps(j.output_since(mark))
