@@ -282,7 +282,7 @@ def test_sigterm_to_the_batch_shell_commits_requeues_once_and_resumes_with_no_st
 def test_preemption_and_scontrol_requeue_each_resume_with_no_step_redone(
     cluster, home, secure_etcd, checkpoint_bucket, tmp_path
 ):
-    max_steps = 800
+    max_steps = 2000  # more than trains while Slurm preempts (a fast attempt reached 800 first)
     flags = [f"--train.max_steps={max_steps}", "--checkpoint.every_steps=0"]
     job = submit(cluster, home, secure_etcd, tmp_path, flags=flags)
     job.wait_for_step(20)
