@@ -39,6 +39,7 @@ from elastic_ddp.worker.metrics import (
     summary_line,
 )
 from elastic_ddp.tools.tensorboard import add_parser, tensorboard_command
+from tests.helpers.nodes import wait_for
 
 
 class FakeClock:
@@ -328,13 +329,11 @@ def test_progress_record_is_rewritten_at_most_every_interval_and_its_newest_on_c
     path = tmp_path / "run" / PROGRESS_FILE
     record = _ProgressRecord(str(tmp_path / "run"), None, min_interval_s=3600.0)
     record.put({"step": 1})
-    deadline = time.monotonic() + 30
-    while not path.exists() and time.monotonic() < deadline:  # the first record is written at once
-        time.sleep(0.01)
+    wait_for(path.exists, 30, interval=0.01, what="the first record, written at once")
     assert json.loads(path.read_text()) == {"step": 1}
     record.put({"step": 2})
     record.put({"step": 3})
-    time.sleep(0.3)  # well within the interval: the thread waits, keeping only the newest
+    time.sleep(0.3)  # nothing to wait for: within the interval nothing may be written (the thread keeps the newest)
     assert json.loads(path.read_text()) == {"step": 1}
     record.close()
     assert json.loads(path.read_text()) == {"step": 3}
