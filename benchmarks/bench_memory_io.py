@@ -66,7 +66,7 @@ def _read_into(path: Path, target: memoryview, hasher) -> None:
 
 def run(ctx: Context) -> Result:
     nbytes = (8 if ctx.smoke else PART_MB) << 20
-    cores = _cores_per_rank(1)
+    cores = max(1, int(_cores_per_rank(1)))
     directory = Path(tempfile.mkdtemp(prefix="elastic-ddp-bench-io-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
         data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)

@@ -50,13 +50,13 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _cores_per_rank(local_world_size: int) -> int:
-    """The CPU cores this process may use divided among the node's ranks (at least 1)."""
+def _cores_per_rank(local_world_size: int) -> float:
+    """The CPU cores this process may use divided among the node's ranks: below 1 where they share cores."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_world_size))
+    return cores / max(1, local_world_size)
 
 
 @dataclass(frozen=True)
@@ -67,32 +67,40 @@ class NodeShape:
     ``write_threads``: threads a save's checksum uses (more than 1: hashed beside the write,
     ``checkpoint.memory_write_threads``); ``read_threads``: threads a restore's or a keep's checksum
     uses (``checkpoint.memory_read_threads``); ``direct_cost``: the direct measure of a save's
-    background cost, ``"write_cpu"`` or ``"copies"`` (``checkpoint.memory_direct_cost``).
+    background cost, ``"write_cpu"`` or ``"copies"`` (``checkpoint.memory_direct_cost``);
+    ``cpu_weight``: the training time one second of the write's CPU time costs, with ``"write_cpu"``
+    -- 1 while each rank has a core, the ranks per core where they share the cores.
     """
 
     write_threads: int
     read_threads: int
     direct_cost: str
+    cpu_weight: float = 1.0
 
 
-def node_shape(device: torch.device, cores: int, *, write_threads: int = 0, read_threads: int = 0,
+def node_shape(device: torch.device, cores: float, *, write_threads: int = 0, read_threads: int = 0,
                direct_cost: str = "auto") -> NodeShape:  # fmt: skip
     """The tier's :class:`NodeShape` for a rank training on ``device`` with ``cores`` cores of its own
-    (its share of the host's); a forced value (not 0 / ``"auto"``) wins over the derived one. Pure:
-    a ``torch.device("cuda")`` needs no GPU here.
+    (its share of the host's, below 1 where ranks share cores); a forced value (not 0 / ``"auto"``)
+    wins over the derived one. Pure: a ``torch.device("cuda")`` needs no GPU here.
 
     At a restore nothing else runs, so it reads with the rank's whole share. While training on a
     GPU a save hashes with half of it, 1 to 4 threads -- the rest is the training process's own (its
     loop, data loading, NCCL's threads) -- and then writes about as fast as the bytes go into tmpfs
     instead of write + hash; the step runs on the device, so what the save costs training directly
     is the copies' time on its stream. On the CPU the cores belong to the training step: one
-    thread, and its CPU time counts as a save's cost.
+    thread, and its CPU time counts as a save's cost -- weighted by the ranks per core where they
+    share the cores: every core is then busy with steps, every rank writes at the same step and the
+    ranks wait for each other at the next all-reduce, so the node's W writes of c CPU seconds on
+    C < W cores delay every rank's step by about W * c / C, not c.
     """
     on_cpu = device.type == "cpu"
+    whole = max(1, int(cores))
     return NodeShape(
-        write_threads=write_threads or (1 if on_cpu else max(1, min(4, cores // 2))),
-        read_threads=read_threads or cores,
+        write_threads=write_threads or (1 if on_cpu else max(1, min(4, whole // 2))),
+        read_threads=read_threads or whole,
         direct_cost=direct_cost if direct_cost != "auto" else ("write_cpu" if on_cpu else "copies"),
+        cpu_weight=max(1.0, 1.0 / cores) if cores > 0 else 1.0,
     )
 
 
@@ -274,10 +282,11 @@ class MemoryTier:
     def cost_s(self) -> float:
         """What a save costs the training loop (:func:`elastic_ddp.memory.interval.save_cost`): its stall,
         plus what its background work takes from the steps it overlaps -- measured directly (on the CPU
-        the write's CPU time, on a GPU the copies' time on the training stream: :attr:`NodeShape.direct_cost`)
-        or, where larger, from the steps' times."""
+        the write's CPU time, times :attr:`NodeShape.cpu_weight`; on a GPU the copies' time on the
+        training stream: :attr:`NodeShape.direct_cost`) or, where larger, from the steps' times."""
         times = self._saver.times
-        direct = times.write_cpu_s if self.shape.direct_cost == "write_cpu" else times.copies_s
+        shape = self.shape
+        direct = times.write_cpu_s * shape.cpu_weight if shape.direct_cost == "write_cpu" else times.copies_s
         return save_cost(times.stall_s, direct, self._interval.background_s)
 
     def report(self) -> Report:

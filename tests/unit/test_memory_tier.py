@@ -607,6 +607,21 @@ def test_a_saves_cost_counts_its_background_write_only_when_training_runs_on_the
     assert gpu.write_cpu_s > 0 and gpu.cost_s == gpu.stall_s
 
 
+def test_where_ranks_share_cores_a_saves_write_costs_its_cpu_time_times_the_ranks_per_core(tmp_path, monkeypatch):
+    # 3 ranks on 2 cores: each rank's write takes its CPU time from cores that are all stepping, and
+    # the node's three writes delay every rank's step by 1.5x one write's CPU time.
+    monkeypatch.setattr(tier_module, "_cores_per_rank", lambda local_world_size: 2 / local_world_size)
+    state, _ = make_state(1)
+    t = tier(tmp_path, every=0, overhead=0.02, local_world_size=3)
+    assert t.shape.cpu_weight == 1.5
+    t.survey(state, fresh=False)
+    t.after_step(1, state, None)
+    t.close()
+    assert t.write_cpu_s > 0
+    assert t.cost_s == pytest.approx(t.stall_s + 1.5 * t.write_cpu_s)
+    assert t.report()[0] == pytest.approx(t.cost_s)
+
+
 class _Clock:
     """``time`` for the tier, with a ``perf_counter`` the test moves (the write thread's CPU time is real)."""
 
@@ -739,6 +754,10 @@ def test_the_node_shape_is_derived_from_the_device_and_the_cores_and_each_value_
     # Forced: a GPU node's shape on a 1-core CPU rank, and a CPU's on a GPU.
     assert node_shape(cpu, 1, write_threads=4, read_threads=3, direct_cost="copies") == NodeShape(4, 3, "copies")
     assert node_shape(cuda, 8, write_threads=1, direct_cost="write_cpu") == NodeShape(1, 8, "write_cpu")
+    # Ranks sharing cores (3 ranks on 2 cores, 12 on 8): one thread each, and the write's CPU time
+    # weighs as much more as there are ranks per core; a core or more per rank: weight 1.
+    assert node_shape(cpu, 2 / 3) == NodeShape(1, 1, "write_cpu", cpu_weight=1.5)
+    assert node_shape(cuda, 2 / 3).cpu_weight == 1.5 and node_shape(cpu, 1.5).cpu_weight == 1.0
 
 
 def test_a_gpu_nodes_threads_run_on_cpus_and_every_thread_of_the_tier_ends_with_it(tmp_path, monkeypatch):
