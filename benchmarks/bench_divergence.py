@@ -57,12 +57,12 @@ def run(ctx: Context) -> Result:
         rows=rows,
         notes=[
             "The check reads every byte that may differ across ranks once per save, on the device where it lives, "
-            "and sends two int64 per object and per compared tensor (two MAX all-reduces): on a CPU that read costs "
+            "and sends two int64 per object and per compared tensor (two MAX all-reduces as timed here; a manager's later saves check that decision with one, divergence.Classifier): on a CPU that read costs "
             "about what the stall's copy of the same bytes would, so an EMA (a second copy of the parameters) makes "
             "it a sizeable share of the stall here; the recipe's own state has almost nothing to compare.",
             "At 16 GB of state (model + AdamW) on 8 GPUs a node, with an EMA of the model (4 GB, the case that "
-            "costs most): one read of 4 GB at the HBM's ~2-3 TB/s, ~1.5-2 ms per rank, plus two NCCL all-reduces of "
-            "a few KB and one host sync, against an async stall that copies the rank's 2 GB share to the host at "
+            "costs most): one read of 4 GB at the HBM's ~2-3 TB/s, ~1.5-2 ms per rank, plus one NCCL all-reduce of "
+            "a few KB (two at the first save) and one host sync, against an async stall that copies the rank's 2 GB share to the host at "
             "~25 GB/s (~80 ms): ~2-3 %. It does not shrink with more nodes (every rank compares all its own values) "
             "while the share does: at 1,000 nodes the share is ~2 MB and the check's ~2 ms is the larger part of a "
             "stall of a few ms -- once per durable save, every ~hundreds of steps.",

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from elastic_ddp.checkpoint.tree import Path, TensorSpec, flatten_named
 
-__all__ = ["AllMax", "Plan", "all_max_over", "Split", "classify", "describe", "plan_of", "split_as", "stale", "tensor_checksums", "values"]
+__all__ = ["AllMax", "Classifier", "Plan", "all_max_over", "Split", "classify", "describe", "plan_of", "split_as", "stale", "tensor_checksums", "values"]
 
 # Tensors smaller than this are hashed on the host (BLAKE3, ~2 GB/s, ~1 us a call): a device column
 # sum is a few kernel launches per tensor (~0.1 ms on a CPU), which costs more below ~0.3 MB.
@@ -137,6 +137,39 @@ def classify(
         differs = _differ(sums.reshape(-1).tolist(), all_max)
         per_rank = frozenset(i for k, i in enumerate(checked) if differs[2 * k] or differs[2 * k + 1])
     return Split(encoded, tuple(tensors), tuple(paths), per_rank, own, tuple(own_tensors), tuple(specs))
+
+
+class Classifier:
+    """:func:`classify` for a sequence of saves: in one collective where the last classification still
+    holds, not two.
+
+    The first call classifies (two all-reduces: whether each object differs decides which tensors
+    are compared next). Later calls split the state as that classification did (:func:`split_as`)
+    and check it with one all-reduce (:func:`values`, :func:`stale`); only where it no longer holds
+    -- a rank's state has another structure, or something stored once now differs -- do they
+    classify anew. What a classification stored per rank may become the same on every rank and stay
+    stored per rank: each rank then stores the same values, which is still every rank's state. Every
+    rank calls it alike, as :func:`classify`.
+    """
+
+    def __init__(self) -> None:
+        self._plan: Plan | None = None
+
+    def __call__(
+        self, trees: Mapping[str, Any], *, synced: Callable[[Path], bool] | None = None, all_max: AllMax | None = None
+    ) -> Split:
+        plan = self._plan
+        if plan is not None and all_max is not None:
+            split = split_as(plan, trees, synced)
+            mine = values(plan, trees, split, torch.device("cpu"))
+            both = all_max(torch.cat([mine, ~mine]))
+            # Every rank reads the same maxima, so every rank takes the same branch (a rank without the
+            # plan's structure, split None, set the flag that makes the plan stale everywhere).
+            if stale(plan, both[: plan.size].tolist(), (~both[plan.size :]).tolist()) is None and split is not None:
+                return split
+        split = classify(trees, synced=synced, all_max=all_max)
+        self._plan = plan_of(split, trees, synced) if all_max is not None else None
+        return split
 
 
 @dataclass(frozen=True)

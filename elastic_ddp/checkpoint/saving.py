@@ -37,7 +37,7 @@ from elastic_ddp.checkpoint import fence
 from elastic_ddp.checkpoint import index as ix
 from elastic_ddp.checkpoint import manifest as mf
 from elastic_ddp.checkpoint.catalog import STEP_DIR_RE, list_checkpoints, retention_plan, step_dir_name
-from elastic_ddp.checkpoint.divergence import AllMax, all_max_over
+from elastic_ddp.checkpoint.divergence import AllMax, Classifier, all_max_over
 from elastic_ddp.checkpoint.errors import CheckpointError, describe_error
 from elastic_ddp.checkpoint.group import CheckpointGroup, state_dicts
 from elastic_ddp.checkpoint.loading import CheckpointLoader
@@ -149,6 +149,7 @@ class CheckpointSaver:
         cfg = group.cfg
         self._writer = ShardWriter(files_per_writer=cfg.write_threads, min_file_bytes=int(cfg.min_file_mb * (1 << 20)))
         self._stager = ShareStager()
+        self._classifier = Classifier()  # the last save's decision of what differs, checked in one collective
         self.failed_saves = 0
         self.consecutive_failed_saves = 0
         self.last_error: str | None = None
@@ -172,7 +173,8 @@ class CheckpointSaver:
         self._loader.release()  # training goes on: a checkpoint read for a resume is no longer needed
         start = time.perf_counter()
         try:
-            snap = snapshot(state_dicts(state), synced=synced_paths(state), all_max=self._all_max())
+            snap = snapshot(state_dicts(state), synced=synced_paths(state), all_max=self._all_max(),
+                            classifier=self._classifier)
         except TreeError as exc:
             raise TypeError(str(exc)) from None
         job = self._writer.prepare(snap, rank=group.rank, writers=range(group.world_size))

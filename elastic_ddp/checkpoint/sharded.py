@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from elastic_ddp.checkpoint import manifest as mf
-from elastic_ddp.checkpoint.divergence import AllMax, classify, describe
+from elastic_ddp.checkpoint.divergence import AllMax, Split, classify, describe
 from elastic_ddp.checkpoint.index import Index, RankState
 from elastic_ddp.checkpoint.layout import Layout, file_name, plan
 from elastic_ddp.checkpoint.shards import file_record, read_file, write_file
@@ -68,14 +68,17 @@ class Snapshot:
 
 
 def snapshot(
-    state: Mapping[str, Any], *, synced: Callable[[Path], bool] | None = None, all_max: AllMax | None = None
+    state: Mapping[str, Any], *, synced: Callable[[Path], bool] | None = None, all_max: AllMax | None = None,
+    classifier: Callable[..., Split] = classify,
 ) -> Snapshot:
     """Encode ``{name: state_dict}`` and decide (collectively, through ``all_max``) what of it differs
     across ranks; see :func:`elastic_ddp.checkpoint.divergence.classify` for the arguments.
+    ``classifier``: :func:`~elastic_ddp.checkpoint.divergence.classify`, or a
+    :class:`~elastic_ddp.checkpoint.divergence.Classifier` that reuses the last save's decision.
 
     Raises :class:`TreeError` naming the path of a value a checkpoint cannot hold.
     """
-    split = classify(state, synced=synced, all_max=all_max)
+    split = classifier(state, synced=synced, all_max=all_max)
     specs = split.specs
     per_rank = tuple(sorted(split.per_rank))
     digest = hashlib.sha256(

@@ -286,6 +286,28 @@ checks["structure_on_rank_1"] = check(plan, s)
 out["plan"] = {"per_rank": sorted(".".join(map(str, split.paths[i])) for i in split.per_rank),
                "own": list(split.own), "checks": checks}
 
+# A Classifier over a sequence of saves: one collective while its last decision holds.
+classifier = divergence.Classifier()
+def saved(trees):
+    calls.clear()
+    split = classifier(trees, all_max=counting)
+    return {"per_rank": sorted(".".join(map(str, split.paths[i])) for i in split.per_rank), "own": list(split.own),
+            "calls": list(calls)}
+
+s = base()
+s["counter"] = {"seen": rank}
+saves = {"first": saved(s), "unchanged": saved(s)}
+if rank == 2:
+    s["model"]["b"][0] = 1.0
+saves["shared_tensor_on_rank_2"] = saved(s)
+saves["then_unchanged"] = saved(s)
+s["model"]["b"][0] = 0.0
+saves["per_rank_tensor_now_equal"] = saved(s)
+if rank == 1:
+    s["model"]["extra"] = torch.ones(1)
+saves["structure_on_rank_1"] = saved(s)
+out["classifier"] = {"own": saves["first"]["own"], "saves": saves}
+
 print(json.dumps(out))
 dist.destroy_process_group()
 """
@@ -371,3 +393,22 @@ def test_a_plan_is_stale_exactly_when_what_it_stores_once_starts_to_differ(verdi
         "shared_plain_on_rank_0": "the plain values of 'opt' now differ across ranks",
         "structure_on_rank_1": "a rank's state has another structure than at the last comparison",
     }
+
+
+def test_a_classifier_checks_its_last_decision_in_one_collective_and_decides_anew_where_it_no_longer_holds(verdicts):
+    saves = verdicts["classifier"]["saves"]
+    assert all(r["classifier"]["saves"] == saves for r in verdicts["ranks"])  # one decision everywhere
+    # Three objects (model, opt, counter), five tensors: a decision is two all-reduces, a check one
+    # of [structure flag, 3 digests, 2 x 5 checksums] and its complement.
+    decide, check = [2 * 3, 2 * 2 * 5], [2 * (1 + 3 + 2 * 5)]
+    assert saves["first"] == {"per_rank": [], "own": ["counter"], "calls": decide}
+    assert saves["unchanged"] == {"per_rank": [], "own": ["counter"], "calls": check}
+    # A tensor stored once now differs: the check finds it, and the decision that follows stores it per rank.
+    assert saves["shared_tensor_on_rank_2"] == {"per_rank": ["model.b"], "own": ["counter"], "calls": check + decide}
+    assert saves["then_unchanged"]["calls"] == check
+    # Per rank, now the same everywhere: still stored per rank (each rank's own values), no new decision.
+    assert saves["per_rank_tensor_now_equal"] == {"per_rank": ["model.b"], "own": ["counter"], "calls": check}
+    # Another structure on one rank: every rank decides anew -- the model, with the rank's extra tensor,
+    # is per rank as a whole, and of the rest only opt's one tensor is compared.
+    assert saves["structure_on_rank_1"]["calls"] == check + [2 * 3, 2 * 2 * 1]
+    assert saves["structure_on_rank_1"]["own"] == ["model", "counter"]
