@@ -36,7 +36,7 @@ import torch
 from elastic_ddp.checkpoint import fence
 from elastic_ddp.checkpoint import index as ix
 from elastic_ddp.checkpoint import manifest as mf
-from elastic_ddp.checkpoint.catalog import STEP_DIR_RE, list_checkpoints, retention_plan, step_dir_name
+from elastic_ddp.checkpoint.catalog import STEP_DIR_RE, read_checkpoint, retention_plan, step_dir_name
 from elastic_ddp.checkpoint.divergence import AllMax, Classifier, all_max_over
 from elastic_ddp.checkpoint.errors import CheckpointError, describe_error
 from elastic_ddp.checkpoint.group import CheckpointGroup, state_dicts
@@ -150,6 +150,7 @@ class CheckpointSaver:
         self._writer = ShardWriter(files_per_writer=cfg.write_threads, min_file_bytes=int(cfg.min_file_mb * (1 << 20)))
         self._stager = ShareStager()
         self._classifier = Classifier()  # the last save's decision of what differs, checked in one collective
+        self._committed: set[int] = set()  # rank 0: steps known committed under the run's URL (retention)
         self.failed_saves = 0
         self.consecutive_failed_saves = 0
         self.last_error: str | None = None
@@ -369,12 +370,13 @@ class CheckpointSaver:
         try:
             if not self._owns_run(f"apply retention and remove leftovers under {url}", step):
                 return
-            committed = list_checkpoints(storage)
+            self._committed.add(step)
+            committed, uncommitted = self._step_dirs(step)
             resumed_step = self._loader.resumed_step
             protected = {resumed_step} if resumed_step is not None and resumed_step > step else set()
             protected.add(step)
             delete, why = retention_plan(
-                [c.step for c in committed],
+                committed,
                 keep_last=group.cfg.keep_last,
                 keep_every=group.cfg.keep_every,
                 protected=protected,
@@ -384,18 +386,45 @@ class CheckpointSaver:
             for old in delete:
                 old_url = join(url, step_dir_name(old))
                 # Manifest first: a half-deleted checkpoint is then merely an uncommitted leftover.
+                self._committed.discard(old)
                 storage.remove_file(join(old_url, mf.MANIFEST_NAME))
                 storage.remove_tree(old_url)
-            for name in storage.list_dirs(url):
-                match = STEP_DIR_RE.match(name)
-                if not match or int(match.group(1)) >= step:
-                    continue  # a newer directory may be a save in progress elsewhere: leave it alone
-                leftover = join(url, name)
-                if not storage.exists(join(leftover, mf.MANIFEST_NAME)):
+            for old in uncommitted:
+                if old < step:  # a newer directory may be a save in progress elsewhere: leave it alone
+                    leftover = join(url, step_dir_name(old))
                     log.info("[%d/%d] Removing %s, left over by an interrupted save.", rank, step, leftover)
                     storage.remove_tree(leftover)
         except Exception as exc:  # the new checkpoint is committed; cleanup can be retried next time
             log.warning("[%d/%d] Checkpoint cleanup failed (will retry after the next save): %s", rank, step, exc)
+
+    def _step_dirs(self, step: int) -> tuple[list[int], list[int]]:
+        """The steps of the checkpoint directories under the run's URL: committed (a readable manifest), and
+        not (no manifest: a leftover, or a save in progress elsewhere). One listing; a manifest is read only
+        for a directory not yet known as committed -- known are the ones this saver committed or found
+        committed (``self._committed``), so a save's retention lists once and reads nothing in the steady
+        state, instead of a read of every kept checkpoint's manifest (requests on S3)."""
+        storage, url = self._group.storage, self._group.url
+        committed, uncommitted = [], []
+        for name in storage.list_dirs(url):
+            match = STEP_DIR_RE.match(name)
+            if not match:
+                continue
+            found = int(match.group(1))
+            if found in self._committed:
+                committed.append(found)
+                continue
+            ckpt_url = join(url, name)
+            if not storage.exists(join(ckpt_url, mf.MANIFEST_NAME)):
+                uncommitted.append(found)
+                continue
+            try:
+                read_checkpoint(storage, ckpt_url)
+            except CheckpointError as exc:  # neither kept count nor leftover: as list_checkpoints skips it
+                log.warning("[%d/%d] Skipping %s: %s", self._group.rank, step, ckpt_url, exc)
+                continue
+            self._committed.add(found)
+            committed.append(found)
+        return committed, uncommitted
 
     def _all_max(self) -> AllMax | None:
         """The element-wise maximum over the ranks, for the save's comparison of what they hold: on the

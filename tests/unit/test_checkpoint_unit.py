@@ -202,6 +202,29 @@ def test_retention_deletes_old_checkpoints_only_after_a_newer_commit(mem_url: st
     assert [i.step for i in mgr.list()] == [4, 5, 6]
 
 
+def test_retention_reads_a_manifest_once_and_then_only_lists_the_directory(tmp_path, monkeypatch) -> None:
+    from elastic_ddp.checkpoint.storage import Storage
+
+    model, opt = tiny()
+    mgr = manager(str(tmp_path), keep_last=2)
+    save_steps(mgr, model, opt, [1])
+    bad = tmp_path / "step-000000000"  # a committed-looking directory whose manifest cannot be read
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{not json")
+    reads, lists = [], []
+    real_read, real_list = Storage.read_bytes, Storage.list_dirs
+    monkeypatch.setattr(Storage, "read_bytes", lambda self, url: reads.append(url) or real_read(self, url))
+    monkeypatch.setattr(Storage, "list_dirs", lambda self, url: lists.append(url) or real_list(self, url))
+    save_steps(mgr, model, opt, [2])
+    assert [url.rsplit("/", 2)[-2] for url in reads] == ["step-000000000"]  # step 1 is known committed
+    reads.clear(), lists.clear()
+    save_steps(mgr, model, opt, [3, 4])
+    # Each save: one listing, no manifest read but the unreadable one's (skipped, as list() skips it:
+    # it is neither one of the kept checkpoints nor a leftover to sweep).
+    assert len(lists) == 2 and all(url.endswith("step-000000000/manifest.json") for url in reads)
+    assert [i.step for i in mgr.list()] == [3, 4] and bad.exists()
+
+
 def test_resolve_follows_the_resume_setting(mem_url: str) -> None:
     model, opt = tiny()
     mgr = manager(mem_url)
