@@ -15,8 +15,9 @@ metrics  -- TensorBoard metrics through StepMetrics at the default cadence (the 
             steps); the metrics' console line replaces the loop's own
 buckets  -- stabilize_buckets(ddp): the stable-bucket communication hook
 compare  -- the cross-rank comparison a save runs before it stages (snapshot(): the state dicts encoded and
-            compared across ranks, checkpoint/divergence.py) at every checkpoint.every_steps, over the state as
-            the run registers it; rank 0 prints its time, which a save reports only inside its stall
+            compared across ranks, checkpoint/divergence.py; after the first, a check of the last decision in
+            one all-reduce, as a CheckpointManager's Classifier does) at every checkpoint.every_steps, over the
+            state as the run registers it; rank 0 prints its time, which a save reports only inside its stall
 
 Two models: ``--model=lm``, the language-model recipe's ByteGPT with AdamW as plain_ddp.py trains it, and
 ``--model=classifier``, recipes/train_classifier.py's own Net, Digits, SGD with momentum and StepLR
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))  # reci
 from lm import ByteGPT, ByteGPTConfig, ByteWindows, CorpusConfig, load_corpus  # noqa: E402
 from train_classifier import Digits, ModelSettings, Net, OptimSettings  # noqa: E402
 
-from elastic_ddp.checkpoint.divergence import all_max_over  # noqa: E402
+from elastic_ddp.checkpoint.divergence import Classifier, all_max_over  # noqa: E402
 from elastic_ddp.checkpoint.group import state_dicts  # noqa: E402
 from elastic_ddp.checkpoint.sharded import snapshot  # noqa: E402
 from elastic_ddp.config import CheckpointConfig, DistConfig, LoggingConfig, TrainConfig  # noqa: E402
@@ -240,6 +241,7 @@ def main() -> None:
         **scheduler, "data": DataState(),
     }  # fmt: skip
     save_every = CheckpointConfig().every_steps if "compare" in protect else 0
+    classifier = Classifier()  # the saves' decision of what differs, kept between them as a manager keeps it
     ledger = StepLedger(args.run_dir, rank=rank, world_size=world, resume_step=0, enabled="ledger" in protect)
     metrics = collector = None
     if "metrics" in protect:
@@ -276,7 +278,8 @@ def main() -> None:
         ledger.finished(step, global_mean if global_mean is not None else float("nan"))
         if save_every and step % save_every == 0:
             started = time.perf_counter()
-            snapshot(state_dicts(state), synced=synced_paths(state), all_max=all_max_over(control, torch.device("cpu")))
+            snapshot(state_dicts(state), synced=synced_paths(state), all_max=all_max_over(control, torch.device("cpu")),
+                     classifier=classifier)
             if rank == 0:
                 print(f"[rank0] comparison at step {step}: {time.perf_counter() - started:.6f} s", flush=True)
         if collector is not None and global_mean is not None:
