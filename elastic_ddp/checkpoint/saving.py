@@ -385,8 +385,8 @@ class CheckpointSaver:
                 log.info("[%d/%d] Retention: %s.", rank, step, why)
             for old in delete:
                 old_url = join(url, step_dir_name(old))
-                # Manifest first: a half-deleted checkpoint is then merely an uncommitted leftover.
                 self._committed.discard(old)
+                # Manifest first: a half-deleted checkpoint is then merely an uncommitted leftover.
                 storage.remove_file(join(old_url, mf.MANIFEST_NAME))
                 storage.remove_tree(old_url)
             for old in uncommitted:
